@@ -1,0 +1,15 @@
+__version__ = "0.1.0"
+
+# The public API, imported on first use so that `import dtnb` stays cheap (heavy torch.distributed
+# submodules load only when the feature that needs them runs). Hand-written: nbdev only updates `__version__`.
+_API = {
+    'detect': 'device', 'DeviceReport': 'device', 'parse_launch_env': 'device', 'LaunchEnv': 'device',
+}
+
+def __getattr__(name):
+    mod = _API.get(name)
+    if mod is None: raise AttributeError(f"module 'dtnb' has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(f'dtnb.{mod}'), name)
+
+def __dir__(): return sorted(list(globals()) + list(_API))
