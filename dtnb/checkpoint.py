@@ -220,10 +220,10 @@ class ResumableLoader:
 
     def _resumed(self):
         "The saved epoch from the saved batch on, in the order it had when it started"
-        now = _gen_states(self.loader)
+        now = torch.get_rng_state()  # restored by load_checkpoint: training's state at the checkpoint
         _set_gen_states(self.loader, self._start_rng)
         try: return self._epoch_iter(self.offset)
-        finally: _set_gen_states(self.loader, now)
+        finally: torch.set_rng_state(now)  # the loader's own generators stay where replaying the epoch's start left them
 
     def state_dict(self) -> dict:
         return dict(epoch=self.epoch, offset=self.offset, begun=self._begun, start_rng=self._start_rng,

@@ -1,4 +1,4 @@
-"""`fit`: one small loop for every strategy, with mixed precision, gradient accumulation, clipping, progress and throughput.
+"""`fit`: one small loop for every strategy, with mixed precision, gradient accumulation, clipping, checkpoints that resume exactly, progress and throughput.
 
 Docs: https://dtnb-dev.github.io/dtnb/train.html.md"""
 
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from .launch import world_size, is_main, current_device
 from .device import md_table, text_table
+from .checkpoint import resumable, latest_checkpoint, load_checkpoint, save_checkpoint, checkpoint_path, list_checkpoints
 
 # %% auto #0
 __all__ = ['FitResult', 'fit']
@@ -54,6 +55,8 @@ class FitResult:
     seconds: float = 0.0
     data_wait_s: float = 0.0  # time this rank spent waiting for the loader
     strategy: str = ''
+    start_step: int = 0       # the step this run started from (> 0 when it resumed from a checkpoint)
+    resumed_from: str = ''    # the checkpoint it resumed from
 
     @property
     def samples_per_s(self): return self.samples / self.seconds if self.seconds else 0.0
@@ -118,7 +121,31 @@ def _batches(loader, epochs, max_steps, accumulate, stats):
                 stats['steps'] += 1
                 if max_steps is not None and stats['steps'] >= max_steps: return
 
-# %% ../nbs/04a_train.ipynb #c011
+# %% ../nbs/04a_train.ipynb #c012
+def _resume(checkpoint_dir, model, optimizer, loader, scheduler, scaler) -> tuple[int, list, str]:
+    "Load the newest complete checkpoint in `checkpoint_dir`, if any; returns (its step, the losses so far, its path)"
+    last = latest_checkpoint(checkpoint_dir)
+    if last is None: return 0, [], ''
+    ck = load_checkpoint(last, model, optimizer, loader=loader)
+    state = ck.extra.get('fit', {})
+    if scheduler is not None and 'scheduler' in state: scheduler.load_state_dict(state['scheduler'])
+    if scaler is not None and 'scaler' in state: scaler.load_state_dict(state['scaler'])
+    return ck.step, state.get('losses', torch.zeros(0)).tolist(), str(last)
+
+def _checkpoint(checkpoint_dir, step, model, optimizer, loader, scheduler, scaler, losses, keep, async_save):
+    "Save the state of training at `step` (a collective); returns the path, or the AsyncSave of a background save"
+    state = dict(losses=torch.tensor(losses, dtype=torch.float64))
+    if callable(getattr(scheduler, 'state_dict', None)): state['scheduler'] = scheduler.state_dict()
+    if scaler is not None: state['scaler'] = scaler.state_dict()
+    return save_checkpoint(checkpoint_path(checkpoint_dir, step), model, optimizer, step=step, loader=loader, keep=keep,
+                           async_save=async_save, fit=state)
+
+def _step_losses(losses, strategy) -> list:
+    "This run's per-step losses as floats, averaged over the data-parallel ranks"
+    if not losses: return []
+    return _mean_over_ranks(losses) if strategy != 'pipeline' else [float(l) for l in losses]
+
+# %% ../nbs/04a_train.ipynb #c013
 def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a pipeline with `.step(x, y)`
         loader,                    # yields (inputs, targets) batches: a DataLoader or `distributed_loader(...)`
         optimizer:torch.optim.Optimizer,
@@ -130,16 +157,29 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
         clip:float|None=None,      # max gradient norm
         scheduler=None,            # stepped after every optimizer step
         progress:bool=True,        # progress bar on the main rank
+        checkpoint_dir=None,       # save checkpoints here, and resume from the newest complete one found here
+        every:int|None=None,       # save every `every` optimizer steps (and at the end); None: at the end only
+        keep:int|None=2,           # complete checkpoints to keep (None: all)
+        async_save:bool=False,     # write checkpoints in the background while training goes on
         ) -> FitResult:
-    "Train `model` on `loader`; returns losses (mean over ranks) and throughput"
+    "Train `model` on `loader`; returns losses (mean over ranks) and throughput. With `checkpoint_dir`, saves and resumes"
     if accumulate < 1: raise ValueError(f"accumulate={accumulate} must be >= 1")
+    if every is not None and (not isinstance(every, int) or every < 1): raise ValueError(f"every={every!r} must be a whole number of steps >= 1")
     _autocast(torch.device('cpu'), precision)  # checks the name before any work
     device, strategy = current_device(), _strategy_name(model)
     scaler = torch.amp.GradScaler(device.type) if precision == 'fp16' else None
-    pbar = _progress(progress, loader, epochs, max_steps, accumulate)
-    losses, stats, samples, t0 = [], dict(wait=0.0, steps=0), 0, time.perf_counter()
+    start, done, resumed = 0, [], ''
+    if checkpoint_dir is not None:
+        if not (callable(getattr(loader, 'state_dict', None)) and callable(getattr(loader, 'load_state_dict', None))): loader = resumable(loader)
+        start, done, resumed = _resume(checkpoint_dir, model, optimizer, loader, scheduler, scaler)
+        if resumed and progress and is_main(): print(f"fit: resumed from {resumed} at step {start}", flush=True)
+    pbar = _progress(progress, loader, epochs, max_steps, accumulate, start)
+    losses, stats, samples, t0 = [], dict(wait=0.0, steps=start), 0, time.perf_counter()
     dp = getattr(model, 'data_parallel_size', None) or world_size()
-    for group in _batches(loader, epochs, max_steps, accumulate, stats):
+    passes = epochs - (getattr(loader, 'epoch', 0) if resumed else 0)  # a resumed epoch counts as one pass
+    step, saved, pending = start, start, None
+    save = lambda: _checkpoint(checkpoint_dir, step, model, optimizer, loader, scheduler, scaler, done, keep, async_save)
+    for group in (_batches(loader, passes, max_steps, accumulate, stats) if max_steps is None or start < max_steps else []):
         group = [_to(b, device) for b in group]
         if strategy == 'pipeline':
             step_loss = sum(model.step(*b) for b in group) / accumulate
@@ -153,16 +193,23 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
         samples += sum(len(b[0]) for b in group) * dp
         if pbar is not None and (len(losses) % 10 == 1 or len(losses) == pbar.total): pbar.set_postfix(loss=f"{float(step_loss):.4f}")
         if pbar is not None: pbar.update(1)
+        step += 1
+        if checkpoint_dir is not None and every and step % every == 0:
+            done, losses = done + _step_losses(losses, strategy), []
+            pending, saved = save(), step
+    if checkpoint_dir is not None and step > saved:
+        done, losses = done + _step_losses(losses, strategy), []
+        pending = save()
+    if hasattr(pending, 'wait'): pending.wait()  # the last checkpoint is complete when fit returns
     if pbar is not None: pbar.close()
     secs = time.perf_counter() - t0
-    mean = losses and (_mean_over_ranks(losses) if strategy != 'pipeline' else [float(l) for l in losses])
-    return FitResult(mean or [], stats['steps'], samples, secs, stats['wait'], strategy)
+    return FitResult(done + _step_losses(losses, strategy), stats['steps'], samples, secs, stats['wait'], strategy, start, resumed)
 
-# %% ../nbs/04a_train.ipynb #c012
-def _progress(progress, loader, epochs, max_steps, accumulate):
+# %% ../nbs/04a_train.ipynb #c014
+def _progress(progress, loader, epochs, max_steps, accumulate, start=0):
     if not progress or not is_main(): return None
     from tqdm.auto import tqdm
     try: total = len(loader) // accumulate * epochs
     except TypeError: total = None
     if max_steps is not None: total = min(total or max_steps, max_steps)
-    return tqdm(total=total, desc='fit', unit='step', leave=False, mininterval=0.5)
+    return tqdm(total=total, initial=start, desc='fit', unit='step', leave=False, mininterval=0.5)

@@ -1,0 +1,54 @@
+"""Train with checkpoints under `dtnb launch --max-restarts=K`; optionally one rank kills itself mid-run.
+
+    dtnb launch -n 2 --max-restarts=1 tests/scripts/train_ckpt.py --dir CKPTS --out final.pt --kill-at 7
+
+`--kill-at S`: rank `--kill-rank` sends itself SIGKILL in the forward pass of step S, in the first attempt only
+(torchrun's TORCHELASTIC_RESTART_COUNT is 0), so torchrun restarts the group and `fit` resumes from the newest
+complete checkpoint. The main rank writes the final parameters to `--out` and prints one JSON line.
+"""
+import argparse, json, os, signal
+import torch
+from torch import nn
+from dtnb.launch import init_distributed, shutdown, rank, is_main, world_size
+from dtnb.ddp import wrap, distributed_loader
+from dtnb.models import ToyModel, toy_data
+from dtnb.train import fit
+from dtnb.checkpoint import export_model
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument('--steps', type=int, default=12)
+    ap.add_argument('--every', type=int, default=3)
+    ap.add_argument('--dir', required=True, help="checkpoint directory")
+    ap.add_argument('--out', required=True, help="final parameters (.pt or .safetensors)")
+    ap.add_argument('--kill-at', type=int, default=0, help="step whose forward pass kills a rank (0: none)")
+    ap.add_argument('--kill-rank', type=int, default=1)
+    a = ap.parse_args()
+    init_distributed()
+    attempt = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))
+    torch.manual_seed(0)
+    model = wrap(ToyModel(), 'ddp' if world_size() > 1 else 'single')
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = distributed_loader(toy_data(96), global_batch_size=16, shuffle=True)
+    calls = 0
+
+    def loss_fn(out, y):
+        nonlocal calls
+        calls += 1
+        if calls == a.kill_at and attempt == 0 and rank() == a.kill_rank:
+            print(f"rank {rank()}: SIGKILL at step {calls}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return nn.functional.mse_loss(out + 0.05 * torch.randn_like(out), y)
+
+    res = fit(model, loader, opt, loss_fn, epochs=3, max_steps=a.steps, progress=False, checkpoint_dir=a.dir, every=a.every)
+    export_model(a.out, model)
+    if is_main():
+        print(json.dumps(dict(attempt=attempt, world_size=world_size(), steps=res.steps, start_step=res.start_step,
+                              resumed_from=res.resumed_from, losses=res.losses)), flush=True)
+    del model, opt
+    shutdown()
+
+
+if __name__ == '__main__':
+    main()
