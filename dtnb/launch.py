@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/launch.html.md"""
 
 # %% ../nbs/01_launch.ipynb #c002
 from __future__ import annotations
-import os, sys, io, gc, time, signal, socket, tempfile, threading, traceback, atexit, re, shutil, contextlib, datetime
+import os, sys, io, gc, time, signal, socket, tempfile, threading, traceback, atexit, re, shutil, contextlib, datetime, types
 import multiprocessing as mp
 from multiprocessing.connection import wait as _wait
 from .device import parse_launch_env, usable_cores, in_notebook
@@ -409,3 +409,10 @@ def torchrun_command(nprocs:int, script:str, script_args=(), torchrun_args=()) -
     env = dict(TORCH_DISABLE_SHARE_RDZV_TCP_STORE='1',  # restarted groups get a fresh store port (gloo restarts)
                OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', str(max(1, usable_cores() // nprocs))))
     return cmd + [script, *script_args], env
+
+# %% ../nbs/01_launch.ipynb #c060
+class _CallableModule(types.ModuleType):
+    "Calling the `dtnb.launch` module calls `dtnb.launch.launch`"
+    def __call__(self, *args, **kwargs): return launch(*args, **kwargs)
+
+if __name__ == 'dtnb.launch': sys.modules[__name__].__class__ = _CallableModule
