@@ -22,7 +22,7 @@ case "${1:-}" in
   setup) setup ;;
   main)  setup; "$VENV/bin/dtnb" env ;;
   test)  setup
-         "$VENV/bin/nbdev-test"
+         "$VENV/bin/nbdev-test" ${DTNB_NBDEV_TEST_ARGS:-}
          "$VENV/bin/pytest" tests/ -q ;;
   *) echo "usage: bash run.sh main|test|setup" >&2; exit 2 ;;
 esac
