@@ -93,7 +93,7 @@ def test_outputs_and_plots_are_visible(site, browser):
 
 def test_screenshots_kept_as_artifacts(site, browser):
     ART.mkdir(exist_ok=True)
-    for name, rel in [('home', 'index.html'), ('tutorial', 'ddp.html')]:
+    for name, rel in [('home', 'index.html'), ('tutorial', 'tutorials/ddp_notebook.html')]:
         page, _, _ = visit(browser, site + rel)
         page.screenshot(path=str(ART / f'{name}.png'), full_page=True)
         page.close()
