@@ -256,7 +256,11 @@ def _start_method(start_method):
 
 # %% ../nbs/01_launch.ipynb #c033
 def _check_args(fn, nprocs):
+    import torch.distributed as dist
     if not callable(fn): raise TypeError(f"launch() needs a function to run on each rank; got {fn!r} ({type(fn).__name__})")
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("This process already belongs to a process group, which forked ranks would inherit: "
+                           "call dtnb.shutdown() (or torch.distributed.destroy_process_group()) before launch()")
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r}: launch needs a whole number of ranks >= 1, e.g. nprocs=2")
 
