@@ -399,7 +399,7 @@ def _load(path):
     import pickle
     with open(path, 'rb') as f: return pickle.load(f)
 
-# %% ../nbs/01_launch.ipynb #c056
+# %% ../nbs/01_launch.ipynb #c058
 _RDZV_OPTS = ('--standalone', '--rdzv-endpoint', '--rdzv_endpoint', '--master-addr', '--master_addr', '--rdzv-backend', '--rdzv_backend')
 
 def torchrun_command(nprocs:int, script:str, script_args=(), torchrun_args=()) -> tuple[list, dict]:
@@ -414,7 +414,7 @@ def torchrun_command(nprocs:int, script:str, script_args=(), torchrun_args=()) -
                OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', str(max(1, usable_cores() // nprocs))))
     return cmd + [script, *script_args], env
 
-# %% ../nbs/01_launch.ipynb #c060
+# %% ../nbs/01_launch.ipynb #c062
 class _CallableModule(types.ModuleType):
     "Calling the `dtnb.launch` module calls `dtnb.launch.launch`"
     def __call__(self, *args, **kwargs): return launch(*args, **kwargs)
