@@ -11,9 +11,10 @@ from dataclasses import dataclass, field, asdict, replace
 from .device import md_table, text_table
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'OPTIMIZERS', 'STRATEGIES', 'ALIASES', 'SHARDS', 'BUCKET', 'optimizer_bytes', 'TransformerShape',
-           'find_units', 'ActivationTrace', 'trace_activations', 'ModelSizes', 'model_sizes', 'MemoryEstimate',
-           'fmt_bytes', 'estimate_memory']
+__all__ = ['PRECISIONS', 'OPTIMIZERS', 'STRATEGIES', 'ALIASES', 'SHARDS', 'BUCKET', 'MEASURABLE', 'optimizer_bytes',
+           'TransformerShape', 'find_units', 'ActivationTrace', 'trace_activations', 'ModelSizes', 'model_sizes',
+           'MemoryEstimate', 'fmt_bytes', 'estimate_memory', 'MemoryPlan', 'recommend', 'memory_explorer',
+           'MemoryMeasurement', 'measure_memory']
 
 # %% ../nbs/03_memory.ipynb #c005
 PRECISIONS = {  # name: bytes per element of (parameters, gradients, fp32 master copy, each optimizer state, activations)
@@ -103,6 +104,7 @@ class ActivationTrace:
     "Bytes a forward keeps for backward, with and without activation checkpointing of each unit"
     saved: int         # bytes of tensors saved for backward (unique storages, parameters left out)
     checkpointed: int  # bytes with each unit checkpointed: its inputs, what lies outside units, the largest unit's own
+    recomputed: int    # of those, the largest unit's own, which exist only while the backward recomputes it
     tensors: int       # unique storages saved
     units: int         # units found
     fake: bool = True  # traced under FakeTensorMode (True) or measured on real tensors
@@ -120,7 +122,12 @@ def _prepare(model, batch, precision, fake):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else contextlib.nullcontext()
-    conv = mode.from_tensor if fake else (lambda t: t)
+    def conv(t):
+        if not fake:
+            if t.is_meta: raise ValueError("A model or batch on the meta device has no data to run for real: trace it with fake=True")
+            return t
+        if not t.is_meta: return mode.from_tensor(t)
+        with mode: return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device='cpu')  # meta: stand in for the CPU
     cast = precision in ('mixed', 'bf16')  # parameters themselves are half: cast them and the float inputs
     def leaf(p):
         t = conv(p.detach())
@@ -148,41 +155,57 @@ def _forward(model, batch, loss_fn=None, params=None):
     out = call(batch)
     return out if loss_fn is None else loss_fn(out)
 
-# %% ../nbs/03_memory.ipynb #c026
-def _count_saved(model, batch, loss_fn=None, precision='fp32', units=None, fake=True, params=None):
-    "Run the forward, counting storages saved for backward: total, checkpointed, and how many"
-    import torch
-    mode, ps, b = _prepare(model, batch, precision, fake) if params is None else (contextlib.nullcontext(), None, batch)
-    exclude = {t.untyped_storage()._cdata for t in (ps.values() if ps is not None else [*model.parameters(), *model.buffers()])}
-    saved, where, inputs, stack, hooks = {}, {}, {}, [], []
-    def pack(t):
-        s = t.untyped_storage(); k = s._cdata
-        if k not in exclude and k not in saved: saved[k], where[k] = s, (stack[-1] if stack else None)
-        return t
-    def pre(m, args, kwargs):
-        for t in _tensors((args, kwargs)):
-            s = t.untyped_storage()
-            if s._cdata not in exclude: inputs.setdefault(s._cdata, s)
-        stack.append(id(m))
-    def post(m, args, out): stack.pop()
-    us = find_units(model, units)
-    for u in us: hooks += [u.register_forward_pre_hook(pre, with_kwargs=True), u.register_forward_hook(post)]
-    dev = next((p.device.type for p in model.parameters()), 'cpu')
-    amp = torch.autocast(dev, dtype=torch.bfloat16) if precision == 'amp' else contextlib.nullcontext()
-    try:
-        with mode, amp, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = _forward(model, b, loss_fn, ps)
-    finally:
-        for h in hooks: h.remove()
-    nb = {k: s.nbytes() for k, s in saved.items()}  # read after the forward: storages freed by then count 0
-    keep = {k: nb.get(k, s.nbytes()) for k, s in inputs.items()} | {k: n for k, n in nb.items() if where[k] is None}
-    per_unit = {}
-    for k, n in nb.items():
-        if where[k] is not None and k not in keep: per_unit[where[k]] = per_unit.get(where[k], 0) + n
-    del out
-    return sum(nb.values()), sum(keep.values()) + max(per_unit.values(), default=0), sum(n > 0 for n in nb.values()), len(us)
-
 # %% ../nbs/03_memory.ipynb #c027
+class _SavedCounter:
+    "Context manager counting the storages saved for backward inside it, and which unit saved each"
+    def __init__(self, model, units=None, exclude=()):
+        self.model, self.units, self.exclude = model, find_units(model, units), set(exclude)
+        self.saved, self.where, self.inputs, self.stack, self.hooks = {}, {}, {}, [], []
+
+    def _pack(self, t):
+        s = t.untyped_storage(); k = s._cdata
+        if k not in self.exclude and k not in self.saved: self.saved[k], self.where[k] = s, (self.stack[-1] if self.stack else None)
+        return t
+    def _pre(self, m, args, kwargs):
+        for t in _tensors((args, kwargs)): self.inputs.setdefault(t.untyped_storage()._cdata, t.untyped_storage())
+        self.stack.append(id(m))
+    def _post(self, m, args, out): self.stack.pop()
+
+    def __enter__(self):
+        import torch
+        for u in self.units: self.hooks += [u.register_forward_pre_hook(self._pre, with_kwargs=True), u.register_forward_hook(self._post)]
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__(); return self
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        for h in self.hooks: h.remove()
+
+    def result(self, exclude=(), fake=False) -> ActivationTrace:
+        "The counts, read now; `exclude`: more storages to leave out (parameters gathered by FSDP)"
+        ex = self.exclude | {t.untyped_storage()._cdata for t in exclude}
+        nb = {k: s.nbytes() for k, s in self.saved.items() if k not in ex}  # storages freed by now count 0
+        keep = {k: s.nbytes() for k, s in self.inputs.items() if k not in ex} | {k: n for k, n in nb.items() if self.where[k] is None}
+        per_unit = {}
+        for k, n in nb.items():
+            if self.where[k] is not None and k not in keep: per_unit[self.where[k]] = per_unit.get(self.where[k], 0) + n
+        self.saved, self.inputs = {}, {}
+        rec = max(per_unit.values(), default=0)
+        return ActivationTrace(sum(nb.values()), sum(keep.values()) + rec, rec, sum(n > 0 for n in nb.values()), len(self.units), fake)
+
+# %% ../nbs/03_memory.ipynb #c028
+def _count_saved(model, batch, loss_fn=None, precision='fp32', units=None, fake=True):
+    "Run the forward on fake (or real) tensors, counting what it saves for backward"
+    import torch
+    mode, ps, b = _prepare(model, batch, precision, fake)
+    dev = next((p.device.type for p in model.parameters() if not p.is_meta), 'cpu')
+    amp = torch.autocast(dev, dtype=torch.bfloat16) if precision == 'amp' else contextlib.nullcontext()
+    with mode, amp, _SavedCounter(model, units, {t.untyped_storage()._cdata for t in ps.values()}) as counter:
+        out = _forward(model, b, loss_fn, ps)
+    res = counter.result(fake=fake)
+    del out
+    return res
+
+# %% ../nbs/03_memory.ipynb #c029
 def trace_activations(model, # an `nn.Module`; it is not changed, and nothing of its size is allocated
                       batch,  # an example batch per device: tensor, tuple (last item the target with `loss_fn`) or dict
                       loss_fn=None, # `loss_fn(output, target)`; without it the output is the end of the graph
@@ -192,9 +215,9 @@ def trace_activations(model, # an `nn.Module`; it is not changed, and nothing of
                      ) -> ActivationTrace:
     "Bytes of activations the forward of `model` on `batch` keeps for backward, traced without allocating them"
     precision = _check_choice('precision', precision, PRECISIONS)
-    return ActivationTrace(*_count_saved(model, batch, loss_fn, precision, units, fake), fake=fake)
+    return _count_saved(model, batch, loss_fn, precision, units, fake)
 
-# %% ../nbs/03_memory.ipynb #c042
+# %% ../nbs/03_memory.ipynb #c050
 @dataclass
 class ModelSizes:
     "What the estimator reads from a model: parameter shapes, module buffers, largest unit"
@@ -215,7 +238,7 @@ def model_sizes(model, units=None) -> ModelSizes:
     return ModelSizes([(tuple(p.shape), p.requires_grad) for p in model.parameters()],
                       sum(b.numel() * b.element_size() for b in model.buffers()), max(sizes))
 
-# %% ../nbs/03_memory.ipynb #c045
+# %% ../nbs/03_memory.ipynb #c053
 def _rows(shape, ws, rank=None):
     "Elements of one FSDP2 shard of a tensor of `shape`: padded (rank None) or rank `rank`'s own rows"
     d0, rest = (shape[0] if shape else 1), math.prod(shape[1:])
@@ -232,7 +255,7 @@ def _state_elements(sizes, psi, strategy, ws, rank):
     n, t = sizes.params, sizes.trainable
     return [n, ceil(t) if 'gradients' in SHARDS[strategy] else t, ceil(t) if 'optimizer' in SHARDS[strategy] else t]
 
-# %% ../nbs/03_memory.ipynb #c046
+# %% ../nbs/03_memory.ipynb #c054
 @dataclass
 class MemoryEstimate:
     "Bytes per device, by component, for one way of training a model"
@@ -281,7 +304,7 @@ class MemoryEstimate:
         return f"**{self.title()}**\n\n" + md_table(('component', 'per device', 'note'), [(c, fmt_bytes(b), n) for c, b, n in self.rows()])
     def __str__(self): return self.title() + '\n' + text_table(('component', 'per device', 'note'), [(c, fmt_bytes(b), n) for c, b, n in self.rows()])
 
-# %% ../nbs/03_memory.ipynb #c048
+# %% ../nbs/03_memory.ipynb #c056
 def fmt_bytes(b) -> str:
     "`b` bytes in decimal units: B, kB, MB, GB, TB"
     if b is None: return '-'
@@ -289,7 +312,7 @@ def fmt_bytes(b) -> str:
         if abs(b) >= div: return f"{b / div:.3g} {unit}"
     return f"{b:g} B"
 
-# %% ../nbs/03_memory.ipynb #c050
+# %% ../nbs/03_memory.ipynb #c058
 def _check_setup(strategy, world_size, optimizer, precision, offload, rank=0):
     "Checked, normalised (strategy, optimizer, precision), or a ValueError that says how to fix it"
     s = ALIASES.get(str(strategy).lower(), str(strategy).lower())
@@ -303,7 +326,7 @@ def _check_setup(strategy, world_size, optimizer, precision, offload, rank=0):
     if not 0 <= rank < world_size: raise ValueError(f"rank={rank} must be in 0..{world_size - 1} for world_size={world_size}")
     return s, _check_choice('optimizer', optimizer, OPTIMIZERS), _check_choice('precision', precision, PRECISIONS)
 
-# %% ../nbs/03_memory.ipynb #c051
+# %% ../nbs/03_memory.ipynb #c059
 def _activations(model, sizes, batch, loss_fn, shape, activations, precision, checkpoint, units):
     "(bytes, source) of the activations from whatever was given"
     if isinstance(activations, ActivationTrace): return activations.bytes(checkpoint), 'traced'
@@ -323,7 +346,7 @@ def _temporary(strategy, optimizer, precision, trainable, unit, opt_elems):
     comm = {'single': 0, 'ddp': trainable * gb, 'zero1': bucket, 'zero2': bucket, 'zero3': 3 * (unit or 0) * cb}[strategy]
     return comm, (opt_elems * sb if OPTIMIZERS[optimizer] == 2 else 0)
 
-# %% ../nbs/03_memory.ipynb #c052
+# %% ../nbs/03_memory.ipynb #c060
 def estimate_memory(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
                     strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp' means 'zero3')
                     world_size:int=1, # devices (ranks) the model is trained on
@@ -358,3 +381,270 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
     acts, src = _activations(model, sizes, batch, loss_fn, shape, activations, precision, checkpoint, units)
     return MemoryEstimate(strategy, world_size, optimizer, precision, psi, dev['parameters'], dev['gradients'], dev['optimizer'],
                           acts, comm + (0 if offload else opt_tmp), host, checkpoint, offload, src, rank, unit)
+
+# %% ../nbs/03_memory.ipynb #c080
+def _ladder(ws):
+    "(strategy, checkpoint, offload) options in the order `recommend` tries them"
+    if ws == 1: return [('single', False, False), ('single', True, False), ('zero3', False, True), ('zero3', True, True)]
+    return ([(s, False, False) for s in ('ddp', 'zero1', 'zero2', 'zero3')] + [(s, True, False) for s in ('ddp', 'zero1', 'zero2', 'zero3')]
+            + [('zero3', False, True), ('zero3', True, True)])
+
+def _pipeline(single:MemoryEstimate, stages:int) -> MemoryEstimate:
+    "A 1F1B pipeline over `stages` devices: a stage keeps 1/stages of the model states, the activations of one micro-batch"
+    cut = lambda b: -(-b // stages)
+    return replace(single, strategy='pipeline', world_size=stages, parameters=cut(single.parameters), gradients=cut(single.gradients),
+                   optimizer_states=cut(single.optimizer_states), temporary=cut(single.temporary))
+
+def _device_memory(report, world_size):
+    "(bytes per rank, device name) from a DeviceReport: the first accelerator, else the RAM shared by the ranks"
+    if report.accelerators: d = report.accelerators[0]; return d.total_memory, d.name
+    cpu = report.devices[0]
+    if cpu.total_memory is None: return None, cpu.name
+    return cpu.total_memory // world_size, f"{cpu.name} RAM" + (f" shared by {world_size} ranks" if world_size > 1 else '')
+
+# %% ../nbs/03_memory.ipynb #c081
+@dataclass
+class MemoryPlan:
+    "The strategy that fits, why, and the estimates that led there"
+    strategy: str|None  # 'single', 'ddp', 'zero1', 'zero2', 'zero3', 'pipeline', or None when nothing fits
+    checkpoint: bool    # with activation checkpointing
+    offload: bool       # with CPU offload
+    reason: str
+    memory: int         # device memory per rank, bytes
+    budget: int         # usable bytes per device: memory less the margin
+    device: str
+    estimates: list     # MemoryEstimate of every option, in the order tried; the single-device check first
+    chosen: int|None    # index of the recommended estimate
+
+    @property
+    def label(self): return 'nothing fits' if self.strategy is None else self.estimates[self.chosen].label
+    def rows(self):
+        return [(('→ ' if i == self.chosen else '') + e.label, e.world_size, fmt_bytes(e.model_states), fmt_bytes(e.activations),
+                 fmt_bytes(e.temporary), fmt_bytes(e.total), 'yes' if e.total <= self.budget else 'no') for i, e in enumerate(self.estimates)]
+    _cols = ('option', 'devices', 'model states', 'activations', 'temporary', 'total per device', 'fits')
+    def _head(self): return f"{self.label}: {self.reason}\nbudget {fmt_bytes(self.budget)} per device ({fmt_bytes(self.memory)} {self.device}, less the margin)"
+    def to_dict(self):
+        return dict(strategy=self.strategy, checkpoint=self.checkpoint, offload=self.offload, reason=self.reason, memory=self.memory,
+                    budget=self.budget, device=self.device, chosen=self.chosen, estimates=[e.to_dict() for e in self.estimates])
+    def _repr_markdown_(self):
+        h = self._head().split('\n')
+        return f"**{h[0]}**\n\n{h[1]}\n\n" + md_table(self._cols, self.rows())
+    def __str__(self): return self._head() + '\n\n' + text_table(self._cols, self.rows())
+
+# %% ../nbs/03_memory.ipynb #c082
+def _reason(plan_opts, single, chosen, budget, ws):
+    "One sentence on why the chosen option was picked"
+    if single.total <= budget:
+        return (f"fits on one device ({fmt_bytes(single.total)}): train there" +
+                (f", or use DDP over {ws} devices for speed" if ws > 1 else ''))
+    need = f"one device would need {fmt_bytes(single.total)}"
+    if chosen is None:
+        last = plan_opts[-1]
+        return (f"{need}, and even {last.label} needs {fmt_bytes(last.total)} per device: use more devices, a smaller micro-batch, "
+                "or tensor parallelism")
+    e = plan_opts[chosen]
+    pipe = next((p for p in plan_opts if p.strategy == 'pipeline' and p.total <= budget), None)
+    also = f"; a pipeline of {pipe.world_size} stages ({pipe.label}) fits too, without the host traffic" if e.offload and pipe else ''
+    return f"{need}; {e.label} needs {fmt_bytes(e.total)} per device, the first option that fits{also}"
+
+# %% ../nbs/03_memory.ipynb #c083
+def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
+              batch=None, # example batch per device, traced for the activations (with a model)
+              report=None, # a `DeviceReport`; default: `detect()`
+              world_size:int|None=None, # devices to plan for; default: the report's accelerators, else 1
+              optimizer:str='adamw',
+              precision:str|None=None, # default: 'amp' where the report recommends bf16 or fp16, else 'fp32'
+              loss_fn=None, # loss for the traced batch
+              shape:TransformerShape|None=None, # transformer shapes, for the activation formula
+              memory:int|float|None=None, # bytes per device, instead of the report's
+              margin:float=0.1, # fraction of device memory kept free
+              units=None, # module classes that are the model's units
+             ) -> MemoryPlan:
+    "The first strategy, in order of cost, whose estimate fits the device memory, and the table that led there"
+    if not 0 <= margin < 1: raise ValueError(f"margin={margin} must be a fraction of device memory in [0, 1), e.g. 0.1")
+    if report is None and (world_size is None or memory is None):
+        from dtnb.device import detect
+        report = detect()
+    ws = world_size or (len(report.accelerators) or 1)
+    if memory is None: memory, device = _device_memory(report, ws)
+    else: device = 'given'
+    if not memory: raise ValueError("The device memory is unknown (psutil missing?): pass memory= in bytes, e.g. memory=80e9")
+    precision = precision or ('amp' if report is not None and report.recommended['dtype'] in ('bf16', 'fp16') else 'fp32')
+    kw = dict(optimizer=optimizer, precision=precision, shape=shape, units=units)
+    if batch is not None: kw['activations'] = trace_activations(model, batch, loss_fn, precision, units)
+    single = estimate_memory(model, 'single', 1, **kw)
+    opts = [estimate_memory(model, s, ws, checkpoint=c, offload=o, **kw) for s, c, o in _ladder(ws)]
+    if isinstance(model, TransformerShape): shape = shape or model
+    layers = shape.layers if shape else (len(find_units(model, units)) if hasattr(model, 'parameters') else 0)
+    stages = min(ws, layers or ws)  # no more stages than layers
+    if stages > 1: opts += [_pipeline(single, stages), _pipeline(estimate_memory(model, 'single', 1, checkpoint=True, **kw), stages)]
+    budget = int(memory * (1 - margin))
+    chosen = next((i for i, e in enumerate(opts) if e.total <= budget), None)
+    ests = ([single] if ws > 1 else []) + opts
+    e = None if chosen is None else opts[chosen]
+    return MemoryPlan(None if e is None else e.strategy, bool(e and e.checkpoint), bool(e and e.offload),
+                      _reason(opts, single, chosen, budget, ws), int(memory), budget, device, ests,
+                      None if chosen is None else chosen + (ws > 1))
+
+# %% ../nbs/03_memory.ipynb #c095
+class _Message(str):
+    "A message shown as Markdown by a widget"
+    def _repr_markdown_(self): return f"*{self}*"
+
+def memory_explorer(model=7.5e9, # an `nn.Module`, a parameter count, or a `TransformerShape`
+                    shape:TransformerShape|None=None, # transformer shapes: adds a micro-batch slider
+                    batch=None, # example batch to trace (with a model)
+                    loss_fn=None, world_size:int=8, strategy:str='ddp', optimizer:str='adamw', precision:str='mixed'):
+    "An ipywidgets explorer of `estimate_memory`: change world size, dtype, batch or strategy and the table follows"
+    import ipywidgets as W
+    if isinstance(model, TransformerShape): model, shape = model.params(), shape or model
+    traces = {}
+    def update(world_size, strategy, precision, optimizer, micro_batch, checkpoint, offload):
+        acts = None
+        if batch is not None:
+            if precision not in traces: traces[precision] = trace_activations(model, batch, loss_fn, precision)
+            acts = traces[precision]
+        shp = replace(shape, batch=micro_batch) if shape is not None else None
+        try: return estimate_memory(model, strategy, world_size, optimizer, precision, shape=shp, activations=acts, checkpoint=checkpoint, offload=offload)
+        except ValueError as e: return _Message(str(e))
+    sizes = [2 ** i for i in range(13)]
+    return W.interactive(update,
+        world_size=W.SelectionSlider(options=sorted(set(sizes + [world_size])), value=world_size, description='devices'),
+        strategy=W.Dropdown(options=list(STRATEGIES), value=ALIASES.get(strategy, strategy)),
+        precision=W.Dropdown(options=list(PRECISIONS), value=precision), optimizer=W.Dropdown(options=list(OPTIMIZERS), value=optimizer),
+        micro_batch=W.IntSlider(value=shape.batch, min=1, max=max(64, shape.batch), description='micro-batch') if shape else W.fixed(None),
+        checkpoint=W.Checkbox(value=False, description='checkpointing'), offload=W.Checkbox(value=False, description='CPU offload'))
+
+# %% ../nbs/03_memory.ipynb #c101
+MEASURABLE = ('single', 'ddp', 'zero3')  # the strategies torch implements, so that measure_memory can run them
+
+def _storage_bytes(tensors) -> int:
+    "Bytes of the distinct storages behind `tensors` (a DTensor counts its local shard)"
+    seen = {}
+    for t in tensors:
+        if t is None: continue
+        t = t.to_local() if hasattr(t, 'to_local') else t
+        s = t.untyped_storage(); seen[s._cdata] = s.nbytes()
+    return sum(seen.values())
+
+def _make_optimizer(params, optimizer, lr):
+    "The torch optimizer named `optimizer`"
+    import torch
+    make = dict(sgd=lambda p: torch.optim.SGD(p, lr), momentum=lambda p: torch.optim.SGD(p, lr, momentum=0.9),
+                adam=lambda p: torch.optim.Adam(p, lr), adamw=lambda p: torch.optim.AdamW(p, lr))
+    return make[optimizer](params)
+
+# %% ../nbs/03_memory.ipynb #c102
+def _apply_strategy(model, strategy, units):
+    "`model` ready to train under `strategy` on this rank's device"
+    from dtnb.launch import current_device
+    if strategy == 'single': return model.to(current_device())
+    from dtnb.ddp import wrap
+    if strategy == 'ddp': return wrap(model, 'ddp')
+    try:
+        import dtnb.fsdp  # noqa: F401  -- dtnb's own FSDP wrapper, where present
+        return wrap(model, 'fsdp')
+    except ImportError:
+        from torch.distributed.fsdp import fully_shard
+        model = model.to(current_device())
+        for u in find_units(model, units): fully_shard(u)
+        return fully_shard(model)
+
+def _loss(out):
+    "A scalar to call backward on: the output itself, its `.loss`, or the sum of the first tensor"
+    out = getattr(out, 'loss', out)
+    out = out if hasattr(out, 'untyped_storage') else _tensors(out)[0]
+    return out if out.dim() == 0 else out.float().sum()
+
+# %% ../nbs/03_memory.ipynb #c103
+def _measure_step(model, batch, strategy, optimizer, precision, loss_fn, units, lr):
+    "One real training step on this rank; returns the measured bytes per component"
+    import torch, torch.distributed as dist
+    from dtnb.launch import current_device
+    dev = current_device()
+    acc = torch.accelerator if dev.type != 'cpu' else None
+    if acc: acc.synchronize(); acc.reset_peak_memory_stats(); m0 = acc.memory_allocated()
+    if precision == 'bf16':
+        model = model.to(torch.bfloat16)
+        batch = _tmap(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, batch)
+    model = _apply_strategy(model, strategy, units)
+    opt = _make_optimizer(model.parameters(), optimizer, lr)
+    batch = _tmap(lambda t: t.to(dev), batch)
+    if acc: m1 = acc.memory_allocated()
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16) if precision == 'amp' else contextlib.nullcontext()
+    local = [p.to_local() if hasattr(p, 'to_local') else p for p in [*model.parameters(), *model.buffers()]]
+    with amp, _SavedCounter(model, units, {t.untyped_storage()._cdata for t in local}) as counter:
+        loss = _loss(_forward(model, batch, loss_fn))
+    saved = counter.result(exclude=list(model.parameters())).saved  # FSDP may keep the root's gathered parameters
+    acts = acc.memory_allocated() - m1 if acc else saved
+    loss.backward(); opt.step()
+    ps = [*model.parameters(), *model.buffers()]
+    out = dict(rank=dist.get_rank() if dist.is_initialized() else 0, device=str(dev), parameters=_storage_bytes(ps),
+               gradients=_storage_bytes(p.grad for p in model.parameters()),
+               optimizer_states=_storage_bytes(v for st in opt.state.values() for v in st.values() if hasattr(v, 'untyped_storage')),
+               activations=acts, saved=saved, peak=None, temporary=None)
+    if acc:
+        acc.synchronize(); out['peak'] = acc.max_memory_allocated() - m0
+        out['temporary'] = max(0, out['peak'] - out['parameters'] - out['gradients'] - out['optimizer_states'] - acts)
+    return out
+
+# %% ../nbs/03_memory.ipynb #c104
+@dataclass
+class MemoryMeasurement:
+    "Measured bytes per rank beside the estimate for that rank, per component"
+    estimates: list  # MemoryEstimate per rank
+    measured: list   # dict per rank: parameters, gradients, optimizer_states, activations, temporary, peak, device
+
+    _parts = ('parameters', 'gradients', 'optimizer_states')
+    @property
+    def exact(self) -> bool:
+        "Whether the estimated model states equal the measured ones, byte for byte, on every rank"
+        return all(getattr(e, c) == m[c] for e, m in zip(self.estimates, self.measured) for c in self._parts)
+    def rows(self):
+        comps = [('parameters', 'parameters'), ('gradients', 'gradients'), ('optimizer states', 'optimizer_states'),
+                 ('model states', None), ('activations', 'activations'), ('temporary buffers', 'temporary'), ('total (peak)', 'peak')]
+        def meas(m, key, label):
+            if key is None: return sum(m[c] for c in self._parts)
+            return m.get(key)
+        def est(e, key):
+            return dict(model_states=e.model_states, peak=e.total).get(key, getattr(e, key, None)) if key else e.model_states
+        f = lambda b: '-' if b is None else f"{b:,}"
+        return [(label, *[v for e, m in zip(self.estimates, self.measured) for v in (f(est(e, key)), f(meas(m, key, label)))])
+                for label, key in comps]
+    def _cols(self): return ('bytes', *[f"rank {r} {w}" for r in range(len(self.measured)) for w in ('estimated', 'measured')])
+    def _head(self):
+        e, m = self.estimates[0], self.measured[0]
+        return (f"{e.label} on {len(self.measured)} × {m['device']}, {e.optimizer}, {e.precision}: model states "
+                + ('exactly as estimated' if self.exact else 'differ from the estimate'))
+    def to_dict(self): return dict(exact=self.exact, estimates=[e.to_dict() for e in self.estimates], measured=self.measured)
+    def _repr_markdown_(self): return f"**{self._head()}**\n\n" + md_table(self._cols(), self.rows())
+    def __str__(self): return self._head() + '\n' + text_table(self._cols(), self.rows())
+
+# %% ../nbs/03_memory.ipynb #c105
+def measure_memory(model, # the `nn.Module` to train one step (a copy is trained: `model` is left as it is)
+                   batch, # example batch per device: tensor, tuple (last item the target with `loss_fn`) or dict
+                   strategy:str='single', # 'single', 'ddp' or 'zero3' ('fsdp')
+                   world_size:int=1, # ranks to launch (1: in this process)
+                   optimizer:str='adamw',
+                   precision:str='fp32', # 'fp32', 'amp' (autocast to bf16) or 'bf16'
+                   loss_fn=None, # `loss_fn(output, target)`; without it the output (or its `.loss`) is summed
+                   units=None, # module classes to shard and checkpoint as units
+                   lr:float=1e-3, timeout:float|None=300, # seconds before the ranks are stopped
+                  ) -> MemoryMeasurement:
+    "Run one real training step and put the measured bytes per component beside the estimate, for each rank"
+    import copy
+    s, optimizer, precision = _check_setup(strategy, world_size, optimizer, precision, False)
+    if s not in MEASURABLE:
+        raise ValueError(f"measure_memory runs torch's own strategies, 'single', 'ddp' and 'zero3' ('fsdp'); {s!r} is a DeepSpeed stage "
+                         "torch has no implementation of: estimate it with estimate_memory")
+    if precision == 'mixed':
+        raise ValueError("precision='mixed' is ZeRO's accounting (fp32 master weights inside the optimizer), which torch does not train; "
+                         "measure 'amp' (autocast, the same 16 bytes per parameter with Adam), 'bf16' or 'fp32'")
+    args = (batch, s, optimizer, precision, loss_fn, units, lr)
+    if world_size == 1: measured = [_measure_step(copy.deepcopy(model), *args)]
+    else:
+        from dtnb.launch import launch
+        measured = launch(_measure_step, model, *args, nprocs=world_size, timeout=timeout)
+    trace = trace_activations(model, batch, loss_fn, precision, units)
+    ests = [estimate_memory(model, s, world_size, optimizer, precision, activations=trace, units=units, rank=r) for r in range(world_size)]
+    return MemoryMeasurement(ests, measured)
