@@ -70,7 +70,7 @@ class TransformerShape:
         body = self.layers * elem * s * b * h + layer - elem * s * b * h if checkpoint else self.layers * layer
         return body + 4 * s * b * self.vocab
 
-# %% ../nbs/03_memory.ipynb #c018
+# %% ../nbs/03_memory.ipynb #c019
 def _tmap(fn, x):
     "Apply `fn` to every tensor in a nest of lists, tuples and dicts"
     if hasattr(x, 'untyped_storage'): return fn(x)
@@ -98,7 +98,7 @@ def find_units(model, units=None) -> list:
         inside.update(id(c) for c in m.modules())
     return found
 
-# %% ../nbs/03_memory.ipynb #c022
+# %% ../nbs/03_memory.ipynb #c023
 @dataclass
 class ActivationTrace:
     "Bytes a forward keeps for backward, with and without activation checkpointing of each unit"
@@ -111,7 +111,7 @@ class ActivationTrace:
 
     def bytes(self, checkpoint:bool=False) -> int: return self.checkpointed if checkpoint else self.saved
 
-# %% ../nbs/03_memory.ipynb #c023
+# %% ../nbs/03_memory.ipynb #c024
 def _half(precision):
     "The half dtype `precision` computes in, or None for fp32"
     import torch
@@ -144,7 +144,7 @@ def _prepare(model, batch, precision, fake):
         return t
     return mode, params, _tmap(inp, batch)
 
-# %% ../nbs/03_memory.ipynb #c025
+# %% ../nbs/03_memory.ipynb #c026
 def _forward(model, batch, loss_fn=None, params=None):
     "Run `model` on `batch` (tensor, tuple or dict; the tuple's last item is the target when `loss_fn` is given)"
     call = model if params is None else (lambda *a, **k: __import__('torch').func.functional_call(model, params, a, k))
@@ -155,7 +155,7 @@ def _forward(model, batch, loss_fn=None, params=None):
     out = call(batch)
     return out if loss_fn is None else loss_fn(out)
 
-# %% ../nbs/03_memory.ipynb #c027
+# %% ../nbs/03_memory.ipynb #c028
 class _SavedCounter:
     "Context manager counting the storages saved for backward inside it, and which unit saved each"
     def __init__(self, model, units=None, exclude=()):
@@ -192,7 +192,7 @@ class _SavedCounter:
         rec = max(per_unit.values(), default=0)
         return ActivationTrace(sum(nb.values()), sum(keep.values()) + rec, rec, sum(n > 0 for n in nb.values()), len(self.units), fake)
 
-# %% ../nbs/03_memory.ipynb #c028
+# %% ../nbs/03_memory.ipynb #c029
 def _count_saved(model, batch, loss_fn=None, precision='fp32', units=None, fake=True):
     "Run the forward on fake (or real) tensors, counting what it saves for backward"
     import torch
@@ -205,7 +205,7 @@ def _count_saved(model, batch, loss_fn=None, precision='fp32', units=None, fake=
     del out
     return res
 
-# %% ../nbs/03_memory.ipynb #c029
+# %% ../nbs/03_memory.ipynb #c030
 def trace_activations(model, # an `nn.Module`; it is not changed, and nothing of its size is allocated
                       batch,  # an example batch per device: tensor, tuple (last item the target with `loss_fn`) or dict
                       loss_fn=None, # `loss_fn(output, target)`; without it the output is the end of the graph
@@ -217,7 +217,7 @@ def trace_activations(model, # an `nn.Module`; it is not changed, and nothing of
     precision = _check_choice('precision', precision, PRECISIONS)
     return _count_saved(model, batch, loss_fn, precision, units, fake)
 
-# %% ../nbs/03_memory.ipynb #c050
+# %% ../nbs/03_memory.ipynb #c051
 @dataclass
 class ModelSizes:
     "What the estimator reads from a model: parameter shapes, module buffers, largest unit"
@@ -238,7 +238,7 @@ def model_sizes(model, units=None) -> ModelSizes:
     return ModelSizes([(tuple(p.shape), p.requires_grad) for p in model.parameters()],
                       sum(b.numel() * b.element_size() for b in model.buffers()), max(sizes))
 
-# %% ../nbs/03_memory.ipynb #c053
+# %% ../nbs/03_memory.ipynb #c054
 def _rows(shape, ws, rank=None):
     "Elements of one FSDP2 shard of a tensor of `shape`: padded (rank None) or rank `rank`'s own rows"
     d0, rest = (shape[0] if shape else 1), math.prod(shape[1:])
@@ -255,7 +255,7 @@ def _state_elements(sizes, psi, strategy, ws, rank):
     n, t = sizes.params, sizes.trainable
     return [n, ceil(t) if 'gradients' in SHARDS[strategy] else t, ceil(t) if 'optimizer' in SHARDS[strategy] else t]
 
-# %% ../nbs/03_memory.ipynb #c054
+# %% ../nbs/03_memory.ipynb #c055
 @dataclass
 class MemoryEstimate:
     "Bytes per device, by component, for one way of training a model"
@@ -304,7 +304,7 @@ class MemoryEstimate:
         return f"**{self.title()}**\n\n" + md_table(('component', 'per device', 'note'), [(c, fmt_bytes(b), n) for c, b, n in self.rows()])
     def __str__(self): return self.title() + '\n' + text_table(('component', 'per device', 'note'), [(c, fmt_bytes(b), n) for c, b, n in self.rows()])
 
-# %% ../nbs/03_memory.ipynb #c056
+# %% ../nbs/03_memory.ipynb #c057
 def fmt_bytes(b) -> str:
     "`b` bytes in decimal units: B, kB, MB, GB, TB"
     if b is None: return '-'
@@ -312,7 +312,7 @@ def fmt_bytes(b) -> str:
         if abs(b) >= div: return f"{b / div:.3g} {unit}"
     return f"{b:g} B"
 
-# %% ../nbs/03_memory.ipynb #c058
+# %% ../nbs/03_memory.ipynb #c059
 def _check_setup(strategy, world_size, optimizer, precision, offload, rank=0):
     "Checked, normalised (strategy, optimizer, precision), or a ValueError that says how to fix it"
     s = ALIASES.get(str(strategy).lower(), str(strategy).lower())
@@ -326,7 +326,7 @@ def _check_setup(strategy, world_size, optimizer, precision, offload, rank=0):
     if not 0 <= rank < world_size: raise ValueError(f"rank={rank} must be in 0..{world_size - 1} for world_size={world_size}")
     return s, _check_choice('optimizer', optimizer, OPTIMIZERS), _check_choice('precision', precision, PRECISIONS)
 
-# %% ../nbs/03_memory.ipynb #c059
+# %% ../nbs/03_memory.ipynb #c060
 def _activations(model, sizes, batch, loss_fn, shape, activations, precision, checkpoint, units):
     "(bytes, source) of the activations from whatever was given"
     if isinstance(activations, ActivationTrace): return activations.bytes(checkpoint), 'traced'
@@ -346,7 +346,7 @@ def _temporary(strategy, optimizer, precision, trainable, unit, opt_elems):
     comm = {'single': 0, 'ddp': trainable * gb, 'zero1': bucket, 'zero2': bucket, 'zero3': 3 * (unit or 0) * cb}[strategy]
     return comm, (opt_elems * sb if OPTIMIZERS[optimizer] == 2 else 0)
 
-# %% ../nbs/03_memory.ipynb #c060
+# %% ../nbs/03_memory.ipynb #c061
 def estimate_memory(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
                     strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp' means 'zero3')
                     world_size:int=1, # devices (ranks) the model is trained on
@@ -382,7 +382,7 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
     return MemoryEstimate(strategy, world_size, optimizer, precision, psi, dev['parameters'], dev['gradients'], dev['optimizer'],
                           acts, comm + (0 if offload else opt_tmp), host, checkpoint, offload, src, rank, unit)
 
-# %% ../nbs/03_memory.ipynb #c080
+# %% ../nbs/03_memory.ipynb #c081
 def _ladder(ws):
     "(strategy, checkpoint, offload) options in the order `recommend` tries them"
     if ws == 1: return [('single', False, False), ('single', True, False), ('zero3', False, True), ('zero3', True, True)]
@@ -402,7 +402,7 @@ def _device_memory(report, world_size):
     if cpu.total_memory is None: return None, cpu.name
     return cpu.total_memory // world_size, f"{cpu.name} RAM" + (f" shared by {world_size} ranks" if world_size > 1 else '')
 
-# %% ../nbs/03_memory.ipynb #c081
+# %% ../nbs/03_memory.ipynb #c082
 @dataclass
 class MemoryPlan:
     "The strategy that fits, why, and the estimates that led there"
@@ -431,7 +431,7 @@ class MemoryPlan:
         return f"**{h[0]}**\n\n{h[1]}\n\n" + md_table(self._cols, self.rows())
     def __str__(self): return self._head() + '\n\n' + text_table(self._cols, self.rows())
 
-# %% ../nbs/03_memory.ipynb #c082
+# %% ../nbs/03_memory.ipynb #c083
 def _reason(plan_opts, single, chosen, budget, ws):
     "One sentence on why the chosen option was picked"
     if single.total <= budget:
@@ -447,7 +447,7 @@ def _reason(plan_opts, single, chosen, budget, ws):
     also = f"; a pipeline of {pipe.world_size} stages ({pipe.label}) fits too, without the host traffic" if e.offload and pipe else ''
     return f"{need}; {e.label} needs {fmt_bytes(e.total)} per device, the first option that fits{also}"
 
-# %% ../nbs/03_memory.ipynb #c083
+# %% ../nbs/03_memory.ipynb #c084
 def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
               batch=None, # example batch per device, traced for the activations (with a model)
               report=None, # a `DeviceReport`; default: `detect()`
@@ -486,7 +486,7 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
                       _reason(opts, single, chosen, budget, ws), int(memory), budget, device, ests,
                       None if chosen is None else chosen + (ws > 1))
 
-# %% ../nbs/03_memory.ipynb #c095
+# %% ../nbs/03_memory.ipynb #c096
 class _Message(str):
     "A message shown as Markdown by a widget"
     def _repr_markdown_(self): return f"*{self}*"
@@ -515,7 +515,7 @@ def memory_explorer(model=7.5e9, # an `nn.Module`, a parameter count, or a `Tran
         micro_batch=W.IntSlider(value=shape.batch, min=1, max=max(64, shape.batch), description='micro-batch') if shape else W.fixed(None),
         checkpoint=W.Checkbox(value=False, description='checkpointing'), offload=W.Checkbox(value=False, description='CPU offload'))
 
-# %% ../nbs/03_memory.ipynb #c101
+# %% ../nbs/03_memory.ipynb #c102
 MEASURABLE = ('single', 'ddp', 'zero3')  # the strategies torch implements, so that measure_memory can run them
 
 def _storage_bytes(tensors) -> int:
@@ -534,7 +534,7 @@ def _make_optimizer(params, optimizer, lr):
                 adam=lambda p: torch.optim.Adam(p, lr), adamw=lambda p: torch.optim.AdamW(p, lr))
     return make[optimizer](params)
 
-# %% ../nbs/03_memory.ipynb #c102
+# %% ../nbs/03_memory.ipynb #c103
 def _apply_strategy(model, strategy, units):
     "`model` ready to train under `strategy` on this rank's device"
     from dtnb.launch import current_device
@@ -556,7 +556,7 @@ def _loss(out):
     out = out if hasattr(out, 'untyped_storage') else _tensors(out)[0]
     return out if out.dim() == 0 else out.float().sum()
 
-# %% ../nbs/03_memory.ipynb #c103
+# %% ../nbs/03_memory.ipynb #c104
 def _measure_step(model, batch, strategy, optimizer, precision, loss_fn, units, lr):
     "One real training step on this rank; returns the measured bytes per component"
     import torch, torch.distributed as dist
@@ -588,7 +588,7 @@ def _measure_step(model, batch, strategy, optimizer, precision, loss_fn, units, 
         out['temporary'] = max(0, out['peak'] - out['parameters'] - out['gradients'] - out['optimizer_states'] - acts)
     return out
 
-# %% ../nbs/03_memory.ipynb #c104
+# %% ../nbs/03_memory.ipynb #c105
 @dataclass
 class MemoryMeasurement:
     "Measured bytes per rank beside the estimate for that rank, per component"
@@ -620,7 +620,7 @@ class MemoryMeasurement:
     def _repr_markdown_(self): return f"**{self._head()}**\n\n" + md_table(self._cols(), self.rows())
     def __str__(self): return self._head() + '\n' + text_table(self._cols(), self.rows())
 
-# %% ../nbs/03_memory.ipynb #c105
+# %% ../nbs/03_memory.ipynb #c106
 def measure_memory(model, # the `nn.Module` to train one step (a copy is trained: `model` is left as it is)
                    batch, # example batch per device: tensor, tuple (last item the target with `loss_fn`) or dict
                    strategy:str='single', # 'single', 'ddp' or 'zero3' ('fsdp')
