@@ -286,7 +286,8 @@ class MemoryEstimate:
 
     def rows(self) -> list:
         "(component, bytes, note) rows of the table"
-        sh = lambda c: f"1/{self.world_size}" if c in SHARDS.get(self.strategy, ()) and self.world_size > 1 else 'whole'
+        ws, pipe = self.world_size, self.strategy == 'pipeline'
+        sh = lambda c: f"1/{ws} of the layers" if pipe else f"1/{ws}" if c in SHARDS.get(self.strategy, ()) and ws > 1 else 'whole'
         off = lambda c: ', on host' if self.offload and c in SHARDS.get(self.strategy, ()) else ''
         act = 'not estimated: give batch= or shape=' if self.activations is None else self.activation_source
         tmp = 'approximate' + ('; gathered units not counted: give a model or shape=' if self.strategy == 'zero3' and self.unit is None else '')
