@@ -35,7 +35,15 @@ def _launch(args):
     if args.dry_run: print(' '.join(cmd)); return 0
     return subprocess.run(cmd, env={**os.environ, **env}).returncode
 
-# %% ../nbs/10_cli.ipynb #c008
+# %% ../nbs/10_cli.ipynb #c009
+def _report(args):
+    from dtnb.report import report
+    rep = report(out=args.out, quick=args.quick, model=args.model, sections=args.sections)
+    print(rep)
+    print(f"\nwrote {args.out}/report.md, report.html, results.json and plots", file=sys.stderr)
+    return 0 if rep.ok else 1
+
+# %% ../nbs/10_cli.ipynb #c010
 def parser() -> argparse.ArgumentParser:
     "The `dtnb` command-line parser with all its subcommands"
     p = argparse.ArgumentParser(prog='dtnb', description="Take PyTorch training from one device to many.")
@@ -49,9 +57,15 @@ def parser() -> argparse.ArgumentParser:
     l.add_argument('--dry-run', action='store_true', help="print the torchrun command instead of running it")
     l.add_argument('rest', nargs=argparse.REMAINDER, help="torchrun options, then the script and its arguments")
     l.set_defaults(func=_launch)
+    r = sub.add_parser('report', help="run the whole report on this machine: devices, strategies, loader, benchmarks")
+    r.add_argument('--out', default='dtnb-report', help="folder for report.md, report.html, results.json and plots")
+    r.add_argument('--quick', action='store_true', help="small sizes: under 3 minutes on 2 CPU cores")
+    r.add_argument('--model', default=None, help="module:factory building your model (default: dtnb's example)")
+    r.add_argument('--sections', nargs='+', default=None, help="only these sections")
+    r.set_defaults(func=_report)
     return p
 
-# %% ../nbs/10_cli.ipynb #c009
+# %% ../nbs/10_cli.ipynb #c011
 def main(argv:list[str]|None=None) -> int:
     "Entry point of the `dtnb` command (`argv=None` reads `sys.argv` and turns bad input into a one-line error)"
     p = parser()
