@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/checkpoint.html.md"""
 
 # %% ../nbs/04_checkpoint.ipynb #c002
 from __future__ import annotations
-import os, io, re, json, time, uuid, zlib, random, pickle, shutil, warnings, threading, functools, contextlib, collections
+import os, re, json, time, uuid, zlib, random, pickle, shutil, warnings, threading, functools, contextlib, collections
 from dataclasses import dataclass, field
 from pathlib import Path
 import torch
@@ -56,6 +56,13 @@ def _from_rank0(obj):
     if d is None or d.get_world_size() == 1: return obj
     box = [obj]; d.broadcast_object_list(box, src=0)
     return box[0]
+
+@contextlib.contextmanager
+def _quiet():
+    "Silence DCP's warning that it runs in one process: here that is intended"
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='torch.distributed is (disabled|unavailable)')
+        yield
 
 def _agree(problem:str|None, cls=CheckpointError):
     "Raise `cls` on every rank if any rank has a problem (a string); the message names the ranks"
@@ -303,7 +310,7 @@ def _commit(tmp:Path, path:Path, meta:dict, files:dict, keep:int|None):
     os.replace(tmp, path)
     _fsync_dir(path.parent)
     if old is not None: shutil.rmtree(old, ignore_errors=True)
-    if keep: prune_checkpoints(path.parent, keep)
+    if keep: prune_checkpoints(path.parent, keep, protect=path)
 
 # %% ../nbs/04_checkpoint.ipynb #c030
 def _save_error(path, e):
@@ -335,15 +342,18 @@ def save_checkpoint(path,                        # directory to create, e.g. che
     meta = dict(format=FORMAT, version=VERSION, step=int(step), world_size=ws, saved_at=time.time(), torch=torch.__version__,
                 **{k: v for k, v in _shapes(sd).items()}, extra=sorted(extra))
     meta.setdefault('optim', None)
-    tmp = path.with_name(f"{path.name}.tmp-{_from_rank0(uuid.uuid4().hex[:12])}")
+    path0, token = _from_rank0((str(path), uuid.uuid4().hex[:12]))
+    _agree(None if str(path) == path0 else f"rank {r} saves to {path} but rank 0 to {path0}: pass the same path on every rank", ValueError)
+    tmp = path.with_name(f"{path.name}.tmp-{token}")
     tmp.mkdir(parents=True, exist_ok=True)
     _write_pt(dict(rank=r, world_size=ws, rng=rng_state(), data=loader.state_dict() if loader is not None else None), tmp / _rank_file(r))
     if r == 0: _write_pt(extra, tmp / 'extra.pt')
     writer = dcp.FileSystemWriter(str(tmp))
     if async_save:
-        fut = dcp.async_save(sd, storage_writer=writer, process_group=_async_group(), no_dist=_dist() is None)
+        with _quiet(): fut = dcp.async_save(sd, storage_writer=writer, process_group=_async_group(), no_dist=_dist() is None)
         return AsyncSave(path, tmp, meta, fut, keep)
-    try: dcp.save(sd, storage_writer=writer, no_dist=_dist() is None)
+    try:
+        with _quiet(): dcp.save(sd, storage_writer=writer, no_dist=_dist() is None)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if r == 0: shutil.rmtree(tmp, ignore_errors=True)
         raise _save_error(path, e) from e
@@ -471,10 +481,10 @@ def latest_checkpoint(root, warn:bool=True) -> Path|None:
                       '; '.join(f"{Path(c['path']).name} ({c['why']})" for c in cl.partial), stacklevel=2)
     return cl.latest
 
-def prune_checkpoints(root, keep:int) -> list:
-    "Delete all but the newest `keep` complete checkpoints in `root`, and interrupted saves older than the newest"
+def prune_checkpoints(root, keep:int, protect=None) -> list:
+    "Delete all but the newest `keep` complete checkpoints in `root` (never `protect`), and interrupted saves older than the newest"
     cl = list_checkpoints(root)
-    doomed = [c['path'] for c in cl.complete[:-keep]]
+    doomed = [c['path'] for c in cl.complete[:-keep] if protect is None or Path(c['path']) != Path(protect)]
     newest = cl.complete[-1]['step'] if cl.complete else None
     for c in cl.partial:
         m = re.fullmatch(r'step_(\d+)\.tmp-[0-9a-f]+', Path(c['path']).name)
@@ -482,7 +492,7 @@ def prune_checkpoints(root, keep:int) -> list:
     for p in doomed: shutil.rmtree(p, ignore_errors=True)
     return doomed
 
-# %% ../nbs/04_checkpoint.ipynb #c044
+# %% ../nbs/04_checkpoint.ipynb #c045
 _META_CLASSES = {('torch', 'Size'), ('torch.serialization', '_get_layout'), ('collections', 'OrderedDict'),
                  ('pathlib', 'PosixPath'), ('pathlib', 'WindowsPath'), ('pathlib', 'PurePosixPath'), ('pathlib', 'PureWindowsPath'),
                  ('torch.distributed.checkpoint.filesystem', '_StorageInfo')} | {
@@ -501,7 +511,7 @@ def _check_metadata(path:Path):
     "Unpickle the DCP metadata with the allow-list first, so a refusal is reported as itself (DCP would wrap it)"
     with open(path / '.metadata', 'rb') as f: _MetadataUnpickler(f).load()
 
-# %% ../nbs/04_checkpoint.ipynb #c045
+# %% ../nbs/04_checkpoint.ipynb #c046
 @functools.cache
 def _safe_dcp():
     "DCP's file reader and load planners, made safe: metadata through `_MetadataUnpickler`, values with weights_only=True"
@@ -527,7 +537,7 @@ def _safe_dcp():
     class SafeEmptyPlanner(SafeBytes, _EmptyStateDictLoadPlanner): pass
     return SafeReader, SafePlanner, SafeEmptyPlanner
 
-# %% ../nbs/04_checkpoint.ipynb #c046
+# %% ../nbs/04_checkpoint.ipynb #c047
 def _few(items, n=8) -> str:
     items = list(items)
     return ', '.join(items[:n]) + (f", ... and {len(items) - n} more" if len(items) > n else '')
@@ -561,7 +571,7 @@ def _check_fits(path, meta, shapes, with_optimizer):
         else: lines += _mismatch(meta['optim'], shapes['optim'], 'optimizer state', grouped=True)
     if lines: raise CheckpointError(f"checkpoint {path} does not match this model; nothing was loaded:\n  " + '\n  '.join(lines))
 
-# %% ../nbs/04_checkpoint.ipynb #c047
+# %% ../nbs/04_checkpoint.ipynb #c048
 def _verify(path:Path, meta:dict, collective:bool=True):
     "Every file the marker lists is present, of its size and CRC32; each rank checks a share, all raise. A collective"
     r, ws = _rw() if collective else (0, 1)
@@ -589,7 +599,7 @@ def _resolve(path) -> Path:
         raise CheckpointError(f"{p} holds no complete checkpoint" + (f" (partial: {_few(Path(c['path']).name for c in partial)})" if partial else ''))
     return latest
 
-# %% ../nbs/04_checkpoint.ipynb #c048
+# %% ../nbs/04_checkpoint.ipynb #c049
 @dataclass
 class Checkpoint:
     "What `load_checkpoint` restored"
@@ -611,7 +621,7 @@ class Checkpoint:
     def _repr_markdown_(self): return md_table(('', ''), self._rows())
     def __str__(self): return text_table(('', ''), self._rows())
 
-# %% ../nbs/04_checkpoint.ipynb #c049
+# %% ../nbs/04_checkpoint.ipynb #c050
 def load_checkpoint(path,                     # a checkpoint directory, or a directory of them (then its newest complete one)
                     model,                    # the same model, built the same way (any strategy, any number of ranks)
                     optimizer:torch.optim.Optimizer|None=None,
@@ -629,7 +639,7 @@ def load_checkpoint(path,                     # a checkpoint directory, or a dir
     sd, back = _state(model, optimizer)
     _check_fits(path, meta, _shapes(sd), optimizer is not None)
     Reader, Planner, _ = _safe_dcp()
-    dcp.load(sd, storage_reader=Reader(str(path)), planner=Planner(), no_dist=_dist() is None)
+    with _quiet(): dcp.load(sd, storage_reader=Reader(str(path)), planner=Planner(), no_dist=_dist() is None)
     _set_state(model, optimizer, sd, back)
     r, ws = _rw()
     same = ws == meta['world_size']
@@ -643,7 +653,7 @@ def load_checkpoint(path,                     # a checkpoint directory, or a dir
     return Checkpoint(str(path), meta['step'], _load_pt(path / 'extra.pt'), meta['world_size'], ws, bool(rng and same),
                       dict(epoch=d['epoch'], offset=d['offset']) if d else None)
 
-# %% ../nbs/04_checkpoint.ipynb #c084
+# %% ../nbs/04_checkpoint.ipynb #c086
 def _gather_stages(full:dict) -> dict:
     "Rank 0's state dict completed with the keys only other ranks hold (pipeline stages). A collective"
     d = _dist()
@@ -662,7 +672,7 @@ def _full_state(model) -> dict:
     full = _state(model, full_state_dict=True)[0]['model']  # stages: each rank its own keys, in full
     return _gather_stages({k: v.detach().cpu() for k, v in full.items()})
 
-# %% ../nbs/04_checkpoint.ipynb #c085
+# %% ../nbs/04_checkpoint.ipynb #c087
 def _need_safetensors():
     try: import safetensors.torch
     except ImportError: raise ImportError("writing .safetensors needs the safetensors package: pip install safetensors "
@@ -692,7 +702,7 @@ def _check_suffix(path:Path):
         raise ValueError(f"{path.name}: export to a .safetensors file (no pickle, any framework) or a .pt file (torch.save)")
     if path.suffix == '.safetensors': _need_safetensors()
 
-# %% ../nbs/04_checkpoint.ipynb #c086
+# %% ../nbs/04_checkpoint.ipynb #c088
 def export_model(path,                  # a .safetensors or .pt file
                  model,                 # nn.Module (plain, DDP, FSDP) or a dtnb pipeline
                  dtype:torch.dtype|None=None, # e.g. torch.bfloat16 to halve the file
@@ -721,11 +731,11 @@ def export_checkpoint(checkpoint,       # a checkpoint directory (or a directory
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # dcp.load would not fill an empty dict
     Reader, _, Empty = _safe_dcp()
     sd = {}
-    _load_state_dict(sd, storage_reader=Reader(str(ck)), planner=Empty(keys={'model'}), no_dist=True)
+    with _quiet(): _load_state_dict(sd, storage_reader=Reader(str(ck)), planner=Empty(keys={'model'}), no_dist=True)
     _write_weights(sd['model'], path, dtype)
     return path
 
-# %% ../nbs/04_checkpoint.ipynb #c087
+# %% ../nbs/04_checkpoint.ipynb #c089
 def load_exported(path,                  # a file from export_model / export_checkpoint
                   model:nn.Module|None=None, # load into this model, after checking names and shapes
                   device='cpu') -> dict:

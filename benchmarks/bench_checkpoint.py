@@ -1,0 +1,93 @@
+"""Checkpoint costs on 2 ranks (DDP, AdamW), measured side by side in one run. Prints figures; not a test.
+
+    python benchmarks/bench_checkpoint.py [--d 512] [--depth 8] [--repeats 3] [--dir /tmp]
+
+- save: dtnb's atomic save (DCP shards + RNG + marker with checksums) vs torch's DCP save of the same state alone
+  (what dtnb adds) vs a plain torch.save of the full model+optimizer state on rank 0 (what a hand-written loop does);
+- async save: how long training is blocked (copy to CPU) vs the time until the checkpoint is committed;
+- load: with verification (sizes + CRC32 of every file, split over the ranks) and without;
+- export: the whole model to one .safetensors file.
+"""
+import argparse, os, shutil, statistics, tempfile, time, zlib
+from pathlib import Path
+import torch
+
+
+def _model(d, depth):
+    from dtnb.models import ToyModel
+    return ToyModel(d_in=64, d=d, depth=depth, d_out=8, seed=0)
+
+
+def _bench(root, d, depth, repeats):
+    from dtnb.launch import rank, barrier
+    from dtnb.ddp import wrap
+    import torch.distributed.checkpoint as dcp
+    from dtnb.checkpoint import save_checkpoint, load_checkpoint, export_model, checkpoint_path, _crc, _state
+    model = wrap(_model(d, depth), 'ddp')
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 64)
+    opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step()  # optimizer state exists
+    root = Path(root)
+    def timed(fn):
+        out = []
+        for i in range(repeats):
+            barrier(); t = time.perf_counter(); fn(i); barrier(); out.append(time.perf_counter() - t)
+        return statistics.median(out)
+    r = {}
+    r['save'] = timed(lambda i: save_checkpoint(checkpoint_path(root / 'dtnb', i), model, opt, step=i, keep=1))
+    def plain(i):
+        if rank() == 0:
+            torch.save(dict(model=model.module.state_dict(), optim=opt.state_dict()), root / f'plain_{i}.pt')
+    r['torch_save'] = timed(plain)
+    def plain_fsync(i):
+        if rank() == 0:
+            with open(root / f'plain_sync_{i}.pt', 'wb') as f:
+                torch.save(dict(model=model.module.state_dict(), optim=opt.state_dict()), f); f.flush(); os.fsync(f.fileno())
+    r['torch_save_fsync'] = timed(plain_fsync)
+    sd = _state(model, opt)[0]
+    r['dcp'] = timed(lambda i: dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(root / f'dcp_{i}'))))
+    files = [p for p in (root / 'dtnb').glob('step_*/*') if p.is_file()]
+    r['bytes'] = sum(p.stat().st_size for p in files)
+    t = time.perf_counter(); [_crc(p) for p in files]; r['crc_all'] = time.perf_counter() - t  # one rank hashing everything
+    blocked, committed = [], []
+    for i in range(repeats):
+        barrier(); t = time.perf_counter()
+        h = save_checkpoint(checkpoint_path(root / 'async', i), model, opt, step=i, keep=1, async_save=True)
+        blocked.append(time.perf_counter() - t)
+        h.wait(); committed.append(time.perf_counter() - t)
+    r['async_blocked'], r['async_total'] = statistics.median(blocked), statistics.median(committed)
+    last = checkpoint_path(root / 'dtnb', repeats - 1)
+    r['load_verify'] = timed(lambda i: load_checkpoint(last, model, opt))
+    r['load_noverify'] = timed(lambda i: load_checkpoint(last, model, opt, verify=False))
+    r['export'] = timed(lambda i: export_model(root / 'model.safetensors', model))
+    r['export_bytes'] = os.path.getsize(root / 'model.safetensors')
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument('--d', type=int, default=512); ap.add_argument('--depth', type=int, default=8)
+    ap.add_argument('--repeats', type=int, default=3); ap.add_argument('--dir', default=None)
+    a = ap.parse_args()
+    from dtnb.launch import launch
+    n = sum(p.numel() for p in _model(a.d, a.depth).parameters())
+    root = tempfile.mkdtemp(prefix='dtnb-bench-ckpt-', dir=a.dir)
+    try: r = launch(_bench, root, a.d, a.depth, a.repeats, nprocs=2)[0]
+    finally: shutil.rmtree(root, ignore_errors=True)
+    mb = r['bytes'] / 2**20
+    print(f"ToyModel d={a.d} depth={a.depth}: {n / 1e6:.1f} M parameters; AdamW; 2 ranks (DDP, gloo); median of {a.repeats}")
+    print(f"  checkpoint size (model + optimizer + RNG)  {mb:8.1f} MiB")
+    print(f"  save, dtnb (atomic, 2 ranks write)         {r['save']:8.3f} s   {mb / r['save']:7.0f} MiB/s")
+    print(f"  save, DCP alone (dcp.save, same state)     {r['dcp']:8.3f} s   {mb / r['dcp']:7.0f} MiB/s   dtnb adds {r['save'] / r['dcp'] - 1:+.0%}")
+    print(f"  save, plain torch.save on rank 0           {r['torch_save']:8.3f} s   {mb / r['torch_save']:7.0f} MiB/s   ratio dtnb/plain {r['save'] / r['torch_save']:.2f}")
+    print(f"  save, plain torch.save + fsync on rank 0   {r['torch_save_fsync']:8.3f} s   {mb / r['torch_save_fsync']:7.0f} MiB/s   ratio dtnb/plain {r['save'] / r['torch_save_fsync']:.2f}")
+    print(f"  CRC32 of all files on one rank             {r['crc_all']:8.3f} s   {mb / r['crc_all']:7.0f} MiB/s   ({100 * r['crc_all'] / 2 / r['save']:.0f}% of a save, split over 2 ranks)")
+    print(f"  async save: training blocked              {r['async_blocked']:8.3f} s   ({100 * r['async_blocked'] / r['save']:.0f}% of a synchronous save)")
+    print(f"  async save: until committed               {r['async_total']:8.3f} s")
+    print(f"  load, verified (sizes + CRC32)             {r['load_verify']:8.3f} s")
+    print(f"  load, verify=False                         {r['load_noverify']:8.3f} s   verification overhead {r['load_verify'] / r['load_noverify'] - 1:+.0%}")
+    print(f"  export to one .safetensors                 {r['export']:8.3f} s   {r['export_bytes'] / 2**20:.1f} MiB")
+
+
+if __name__ == '__main__':
+    main()
