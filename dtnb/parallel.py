@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from .device import md_table, text_table
 from .launch import current_device, world_size
-from .ddp import wrap
+from .ddp import wrap, _need_group
 from .pipeline import Pipeline, pipeline_stages, Skip
 
 # %% auto #0
@@ -213,7 +213,6 @@ def parallelize(model:nn.Module,
                 balance:str='params', example=None, # pipeline options: see `pipeline`
                 device=None):                    # default: this rank's device
     "Apply the parallelisms `degrees` turns on to `model`: pipeline split, activation checkpointing, tensor parallel, then FSDP or DDP"
-    from dtnb.pipeline import _need_group
     _need_group("parallelize(model, degrees)")
     degrees = degrees.resolve()
     dev = torch.device(device) if device is not None else current_device()
