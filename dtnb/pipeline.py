@@ -484,6 +484,13 @@ class Pipeline:
         self.schedule = cls(self.stages[0] if one else self.stages, n_microbatches=m, loss_fn=loss_fn)
 
     @property
+    def data_parallel_size(self) -> int:
+        "Data-parallel replicas training on other samples (1 without data parallelism): a step sees this many batches"
+        import torch.distributed as dist
+        n = 1
+        for g in self.dp_groups: n *= dist.get_world_size(g)
+        return n
+    @property
     def has_first(self) -> bool: return 0 in self.stage_indices
     @property
     def has_last(self) -> bool: return self.n_stages - 1 in self.stage_indices
