@@ -10,6 +10,10 @@ _API = {
     'current_device': 'launch',
     'wrap': 'ddp', 'distributed_loader': 'ddp',
     'fit': 'train', 'FitResult': 'train',
+    'estimate_memory': 'memory', 'recommend': 'memory', 'measure_memory': 'memory', 'trace_activations': 'memory',
+    'memory_explorer': 'memory', 'TransformerShape': 'memory', 'MemoryEstimate': 'memory', 'MemoryPlan': 'memory',
+    'MemoryMeasurement': 'memory',
+    'report': 'report',
 }
 
 def __getattr__(name):
