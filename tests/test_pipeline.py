@@ -293,3 +293,27 @@ def test_mesh_is_named_and_tp_innermost():
     assert [r[0]['tp'] for r in res] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r[0]['pp'] for r in res] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all(r[1] == (0, 1) for r in res)  # one data shard: every rank loads the same batches
+
+
+# ---------------------------------------------------------------- the training loop
+def fit_pipe(degrees):
+    from torch.utils.data import DataLoader
+    from dtnb.train import fit
+    quiet()
+    deg = Degrees(**degrees)
+    mesh = deg.build_mesh()
+    model = parallelize(ToyModel(), deg, mse, mesh=mesh)
+    r, n = data_rank(mesh)
+    x, y = toy_data(64)[:48]
+    ds = torch.utils.data.TensorDataset(*(t.view(3, n, 16 // n, -1)[:, r].reshape(-1, t.shape[-1]) for t in (x, y)))  # this rank's share
+    res = fit(model, DataLoader(ds, batch_size=16 // n), torch.optim.SGD(model.parameters(), lr=0.1), progress=False)
+    return res.losses, res.samples, {k: full(v).detach().clone() for k, v in model.state_dict().items()}, model.data_parallel_size
+
+@pytest.mark.parametrize('degrees', [dict(pp=2), dict(pp=2, dp_replicate=2)])
+def test_fit_trains_a_pipeline_like_one_process(degrees):
+    losses, _, params = ref()
+    res = launch(fit_pipe, degrees, nprocs=2 * len(degrees))
+    for l, samples, _, dp in res:
+        assert_close(l, losses, what='loss'); assert samples == 48 and dp == degrees.get('dp_replicate', 1)
+    p = {k: v for _, _, ps, _ in res for k, v in ps.items()}
+    for k in params: assert_close(p[k], params[k], what=k)
