@@ -472,8 +472,8 @@ class Pipeline:
         if sorted(self.stage_indices) != [s for s in range(n_stages) if ranks[s] == self.pp_rank]:
             raise ValueError(f"pipeline rank {self.pp_rank} got stages {self.stage_indices}, but {self.schedule_name!r} runs stages "
                              f"{[s for s in range(n_stages) if ranks[s] == self.pp_rank]} there")
-        m = n_microbatches or max(2 * self.n_ranks, n_stages)
-        if not isinstance(m, int) or m < 1: raise ValueError(f"n_microbatches={n_microbatches!r} must be a whole number >= 1")
+        m = max(2 * self.n_ranks, n_stages) if n_microbatches is None else n_microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1: raise ValueError(f"n_microbatches={n_microbatches!r} must be a whole number >= 1")
         self.n_microbatches, self.last_rank = m, ranks[-1]
         self.device = torch.device(device) if device is not None else current_device()
         Stage = _timed_stage_class()
