@@ -54,10 +54,14 @@ def _train_strategy(strategy, steps, factory):
     from dtnb.train import fit
     from dtnb.models import toy_data
     torch.manual_seed(0)
-    model = wrap(factory(), strategy)
+    if strategy == 'pipeline':  # stages across ranks; every rank reads the whole batch
+        model = wrap(factory(), 'pipeline', loss_fn=torch.nn.functional.mse_loss, n_microbatches=4)
+        loader = distributed_loader(toy_data(512), batch_size=16, shuffle=False, num_replicas=1, rank=0)
+    else:
+        model = wrap(factory(), strategy)
+        loader = distributed_loader(toy_data(512), global_batch_size=16, shuffle=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    res = fit(model, distributed_loader(toy_data(512), global_batch_size=16, shuffle=False), opt, max_steps=steps, progress=False)
-    return res.to_dict()
+    return fit(model, loader, opt, max_steps=steps, progress=False).to_dict()
 
 def _factory(spec):
     "A model factory from 'module:callable', or dtnb's example model"
@@ -70,7 +74,7 @@ def _factory(spec):
     return getattr(importlib.import_module(mod), name)
 
 # %% ../nbs/07_report.ipynb #c012
-STRATEGY_RUNS = ['ddp']  # strategies trained beside the single-process reference
+STRATEGY_RUNS = ['ddp', 'pipeline']  # strategies trained beside the single-process reference
 
 def training_section(quick=True, nprocs=2, model=None, **_) -> Section:
     "Train the example model with every strategy; compare losses with the single process"
