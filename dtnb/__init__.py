@@ -10,6 +10,14 @@ _API = {
     'current_device': 'launch',
     'wrap': 'ddp', 'distributed_loader': 'ddp',
     'fit': 'train', 'FitResult': 'train',
+    'estimate_memory': 'memory', 'recommend': 'memory', 'measure_memory': 'memory', 'trace_activations': 'memory',
+    'memory_explorer': 'memory', 'TransformerShape': 'memory', 'MemoryEstimate': 'memory', 'MemoryPlan': 'memory',
+    'MemoryMeasurement': 'memory',
+    'report': 'report',
+    'pipeline': 'pipeline', 'Pipeline': 'pipeline', 'split_model': 'pipeline', 'PipelineSplit': 'pipeline',
+    'PipelineTimeline': 'pipeline', 'PipelineTimelines': 'pipeline', 'simulate_schedule': 'pipeline',
+    'schedule_order': 'pipeline', 'bubble_fraction': 'pipeline',
+    'Degrees': 'parallel', 'parallelize': 'parallel', 'tp_plan': 'parallel', 'apply_tp': 'parallel', 'data_rank': 'parallel',
 }
 
 def __getattr__(name):

@@ -12,7 +12,8 @@ from pathlib import Path
 from .device import detect, md_table, text_table
 
 # %% auto #0
-__all__ = ['STRATEGY_RUNS', 'SECTIONS', 'Section', 'env_section', 'training_section', 'Report', 'write_report', 'report']
+__all__ = ['STRATEGY_RUNS', 'SECTIONS', 'Section', 'env_section', 'plan_section', 'training_section', 'Report', 'write_report',
+           'report']
 
 # %% ../nbs/07_report.ipynb #c005
 @dataclass
@@ -33,6 +34,19 @@ def env_section(quick=True, **_) -> Section:
     return Section('Machine', r._repr_markdown_(), str(r), r.to_dict())
 
 # %% ../nbs/07_report.ipynb #c009
+def plan_section(quick=True, model=None, nprocs=2, **_) -> Section:
+    "The strategy the memory planner recommends, with the table that led there"
+    import torch
+    from dtnb.memory import recommend
+    from dtnb.models import toy_data, ToyModel
+    x, y = toy_data(16)[:]
+    plans = {'example model': recommend(ToyModel(), batch=(x, y), loss_fn=torch.nn.functional.mse_loss, world_size=nprocs)}
+    if model: plans[f'your model ({model})'] = recommend(_factory(model)(), world_size=nprocs)
+    md = '\n\n'.join(f"**{k}** → `{p.strategy}`: {p.reason}\n\n{p._repr_markdown_()}" for k, p in plans.items())
+    txt = '\n\n'.join(f"{k} -> {p.strategy}: {p.reason}\n{p}" for k, p in plans.items())
+    return Section('Which strategy fits', md, txt, {k: p.to_dict() for k, p in plans.items()})
+
+# %% ../nbs/07_report.ipynb #c011
 def _train_strategy(strategy, steps, factory):
     "Runs inside each rank (or the single process): the example model through `fit`"
     import torch
@@ -40,10 +54,14 @@ def _train_strategy(strategy, steps, factory):
     from dtnb.train import fit
     from dtnb.models import toy_data
     torch.manual_seed(0)
-    model = wrap(factory(), strategy)
+    if strategy == 'pipeline':  # stages across ranks; every rank reads the whole batch
+        model = wrap(factory(), 'pipeline', loss_fn=torch.nn.functional.mse_loss, n_microbatches=4)
+        loader = distributed_loader(toy_data(512), batch_size=16, shuffle=False, num_replicas=1, rank=0)
+    else:
+        model = wrap(factory(), strategy)
+        loader = distributed_loader(toy_data(512), global_batch_size=16, shuffle=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    res = fit(model, distributed_loader(toy_data(512), global_batch_size=16, shuffle=False), opt, max_steps=steps, progress=False)
-    return res.to_dict()
+    return fit(model, loader, opt, max_steps=steps, progress=False).to_dict()
 
 def _factory(spec):
     "A model factory from 'module:callable', or dtnb's example model"
@@ -55,8 +73,8 @@ def _factory(spec):
     sys.path.insert(0, os.getcwd())
     return getattr(importlib.import_module(mod), name)
 
-# %% ../nbs/07_report.ipynb #c010
-STRATEGY_RUNS = ['ddp']  # strategies trained beside the single-process reference
+# %% ../nbs/07_report.ipynb #c012
+STRATEGY_RUNS = ['ddp', 'pipeline']  # strategies trained beside the single-process reference
 
 def training_section(quick=True, nprocs=2, model=None, **_) -> Section:
     "Train the example model with every strategy; compare losses with the single process"
@@ -77,9 +95,10 @@ def training_section(quick=True, nprocs=2, model=None, **_) -> Section:
     return Section('Training: every strategy, same losses', md_table(cols, rows) + f"\n\n{verdict}",
                    text_table(cols, rows) + f"\n{verdict}", dict(runs=runs, agree=agree, steps=steps, nprocs=nprocs))
 
-# %% ../nbs/07_report.ipynb #c012
+# %% ../nbs/07_report.ipynb #c014
 SECTIONS = {  # name: 'module:function' returning a Section
     'env': 'dtnb.report:env_section',
+    'plan': 'dtnb.report:plan_section',
     'training': 'dtnb.report:training_section',
 }
 
@@ -92,7 +111,7 @@ def _run_section(name, spec, **kw):
     s.seconds = time.perf_counter() - t
     return s
 
-# %% ../nbs/07_report.ipynb #c013
+# %% ../nbs/07_report.ipynb #c015
 @dataclass
 class Report:
     "The sections of one `dtnb report` run, with views and writers"
@@ -123,7 +142,7 @@ class Report:
             out += ['', f"== {s.title} ({s.seconds:.1f}s)", f"FAILED: {s.error}" if s.error else s.text]
         return '\n'.join(out)
 
-# %% ../nbs/07_report.ipynb #c014
+# %% ../nbs/07_report.ipynb #c016
 def _html(md_text, title='dtnb report'):
     import mistune
     body = mistune.html(md_text)
@@ -145,7 +164,7 @@ def write_report(rep:Report, out:str|Path) -> list[Path]:
     (out / 'results.json').write_text(json.dumps(rep.to_dict(), indent=2, default=str))
     return [out / f for f in ('report.md', 'report.html', 'results.json', *paths.values())]
 
-# %% ../nbs/07_report.ipynb #c015
+# %% ../nbs/07_report.ipynb #c017
 def report(out:str|Path|None=None,  # folder for report.md, report.html, results.json and plots
            quick:bool=False,          # small sizes: under 3 minutes on 2 CPU cores
            model:str|None=None,       # 'module:factory' building your model (default: dtnb's example)
