@@ -1,8 +1,8 @@
-"""Checkpoints under torchrun restarts, pipeline-style stages, and loaders with workers.
+"""Checkpoints under torchrun restarts, with pipeline stages, and with loaders that have workers.
 
 The fault test kills a rank with SIGKILL under `dtnb launch --max-restarts=1` and checks that the finished run is
 bitwise the uninterrupted one. Every test checks real files written by real processes; nothing is mocked."""
-import copy, json, os, subprocess, sys
+import json, os, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from torch import nn
@@ -35,85 +35,57 @@ def test_sigkill_restart_resumes_bitwise(tmp_path):
     assert [c['step'] for c in list_checkpoints(tmp_path / 'ck').complete] == [9, 12]
 
 
-class Stages:
-    "What a pipeline rank holds: stage modules under the original model's parameter names (its `.modules` list)"
-    def __init__(self, modules): self.modules = modules
-    def parameters(self): return [p for m in self.modules for p in m.parameters()]
-
-
-UNITS = ['inp', 'layers.0', 'layers.1', 'layers.2', 'layers.3', 'head']
-
-
-def stage(model, keep):
-    "A copy of `model` holding only the units in `keep` (the others replaced by parameter-free modules)"
-    m = copy.deepcopy(model)
-    for u in UNITS:
-        if u in keep: continue
-        if u.startswith('layers.'): m.layers[int(u.split('.')[1])] = nn.Identity()
-        else: setattr(m, u, nn.Identity())
-    return m
-
-
-def _stages_of(split, r):
-    from dtnb.models import ToyModel
-    full = ToyModel()
-    return Stages([stage(full, units) for units in split[r]])
-
-
-INTERLEAVED = {0: [['inp', 'layers.0'], ['layers.2']], 1: [['layers.1'], ['layers.3', 'head']]}  # two stages per rank
-CONTIGUOUS = {0: [['inp', 'layers.0', 'layers.1']], 1: [['layers.2', 'layers.3', 'head']]}    # one stage per rank
-
-
-def _train_stages(ckdir, out):
-    from dtnb.launch import rank
-    from dtnb.checkpoint import save_checkpoint, export_model
-    torch.manual_seed(rank())
-    pipe = _stages_of(INTERLEAVED, rank())
+def _pipeline_run(schedule, steps, ckdir, out):
+    "Train ToyModel as a 2-rank pipeline with fit (resuming from `ckdir`), export it; returns losses, start, per-rank state"
+    from dtnb.ddp import wrap, distributed_loader
+    from dtnb.models import ToyModel, toy_data
+    from dtnb.train import fit
+    from dtnb.checkpoint import export_model
+    torch.manual_seed(0)
+    pipe = wrap(ToyModel(), 'pipeline', loss_fn=nn.functional.mse_loss, n_microbatches=4, schedule=schedule)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-    for _ in range(2):  # stand-in for a pipeline step: each rank updates its own stages
-        opt.zero_grad(); sum((p * torch.randn_like(p)).sum() for p in pipe.parameters()).backward(); opt.step()
-    save_checkpoint(Path(ckdir) / 'step_00000002', pipe, opt, step=2)
+    loader = distributed_loader(toy_data(96), batch_size=16, shuffle=True, num_replicas=1, rank=0)  # every stage reads the batch
+    r = fit(pipe, loader, opt, epochs=2, max_steps=steps, progress=False, checkpoint_dir=ckdir)
     export_model(out, pipe)
-    mine = {k: v.detach().clone() for m in pipe.modules for k, v in m.state_dict().items()}
     state = {f"{n}.{k}": v.clone() for m in pipe.modules for n, p in m.named_parameters() for k, v in opt.state[p].items()}
-    return mine, state
+    return r.losses, r.start_step, len(pipe.modules), state
 
 
-def _load_contiguous(ckdir):
-    from dtnb.launch import rank
-    from dtnb.checkpoint import load_checkpoint
-    pipe = _stages_of(CONTIGUOUS, rank())
-    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-    load_checkpoint(ckdir, pipe, opt)
-    mine = {k: v.detach().clone() for m in pipe.modules for k, v in m.state_dict().items()}
-    state = {f"{n}.{k}": v.clone() for m in pipe.modules for n, p in m.named_parameters() for k, v in opt.state[p].items()}
-    return mine, state
+def _pipeline_load(schedule, ckdir, out):
+    "Load a pipeline checkpoint into another split of the model, then export it"
+    from dtnb.ddp import wrap
+    from dtnb.models import ToyModel
+    from dtnb.checkpoint import load_checkpoint, export_model
+    pipe = wrap(ToyModel(seed=5), 'pipeline', loss_fn=nn.functional.mse_loss, n_microbatches=4, schedule=schedule)
+    load_checkpoint(ckdir, pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2))
+    export_model(out, pipe)
 
 
-def test_pipeline_stages_save_and_load_in_any_split(tmp_path):
-    "Stages held two per rank save under the model's names; they load on one process, in another split, and export whole"
+def test_pipeline_resumes_bitwise_and_loads_in_any_split(tmp_path):
+    "Interleaved pipeline (two stages per rank): stop at 5, resume to 10 = 10 straight; the checkpoint loads on one process and in another split"
     from dtnb.launch import launch
     from dtnb.models import ToyModel
     from dtnb.checkpoint import load_checkpoint, load_exported
-    saved = launch(_train_stages, str(tmp_path / 'ck'), tmp_path / 'model.safetensors', nprocs=2)
-    params = {k: v for p, _ in saved for k, v in p.items()}
-    state = {k: v for _, s in saved for k, v in s.items()}
-    assert set(params) == set(ToyModel().state_dict())  # the two ranks together hold the whole model, once
-    # one process, the whole model
+    ck = str(tmp_path / 'ck')
+    straight = launch(_pipeline_run, 'interleaved1f1b', 10, None, tmp_path / 'straight.pt', nprocs=2)
+    launch(_pipeline_run, 'interleaved1f1b', 5, ck, tmp_path / 'half.pt', nprocs=2)
+    resumed = launch(_pipeline_run, 'interleaved1f1b', 10, ck, tmp_path / 'resumed.pt', nprocs=2)
+    assert [r[2] for r in resumed] == [2, 2] and [r[1] for r in resumed] == [5, 5]
+    assert resumed[0][0] == straight[0][0] and len(straight[0][0]) == 10
+    a, b = load_exported(tmp_path / 'straight.pt'), load_exported(tmp_path / 'resumed.pt')
+    assert set(a) == set(ToyModel().state_dict()) and all(torch.equal(a[k], b[k]) for k in a)
+    # one process, the whole model: the weights and the optimizer state the stages held
     model = ToyModel(seed=7)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ck = load_checkpoint(tmp_path / 'ck', model, opt)
-    assert (ck.step, ck.saved_ranks) == (2, 2)
-    assert all(torch.equal(model.state_dict()[k], params[k]) for k in params)
+    assert load_checkpoint(ck, model, opt).saved_ranks == 2
+    assert all(torch.equal(model.state_dict()[k], b[k]) for k in b)
+    state = {k: v for r in resumed for k, v in r[3].items()}
     got = {f"{n}.{k}": v for n, p in model.named_parameters() for k, v in opt.state[p].items()}
     assert set(got) == set(state) and all(torch.equal(got[k], state[k]) for k in state)
-    # two ranks, cut elsewhere, one stage each
-    other = launch(_load_contiguous, str(tmp_path / 'ck'), nprocs=2)
-    assert all(torch.equal(v, params[k]) for p, _ in other for k, v in p.items())
-    assert all(torch.equal(v, state[k]) for _, s in other for k, v in s.items())
-    # the exported file is the whole model
-    sd = load_exported(tmp_path / 'model.safetensors', ToyModel(seed=3))
-    assert set(sd) == set(params) and all(torch.equal(sd[k], params[k]) for k in params)
+    # two ranks cut into one stage each
+    launch(_pipeline_load, '1f1b', ck, tmp_path / 'other.safetensors', nprocs=2)
+    c = load_exported(tmp_path / 'other.safetensors')
+    assert all(torch.equal(c[k], b[k]) for k in b)
 
 
 def test_resume_with_loader_workers_and_own_generator():
