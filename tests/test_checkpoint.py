@@ -22,8 +22,11 @@ def _run(args, timeout=240):
 
 def test_sigkill_restart_resumes_bitwise(tmp_path):
     "One rank SIGKILLs itself at step 7 of 12; torchrun restarts the group; fit resumes at 6; the end equals a clean run"
+    from dtnb.launch import launch
     from dtnb.checkpoint import load_exported, list_checkpoints
-    ref, _ = _run([SCRIPT, '--dir', str(tmp_path / 'ref'), '--out', str(tmp_path / 'ref.pt')])
+    sys.path.insert(0, str(ROOT / 'tests' / 'scripts'))
+    from train_ckpt import train
+    ref = launch(train, 12, 3, str(tmp_path / 'ref'), str(tmp_path / 'ref.pt'), nprocs=2)[0]  # the same script, never killed
     got, log = _run(['--max-restarts=1', SCRIPT, '--dir', str(tmp_path / 'ck'), '--out', str(tmp_path / 'got.pt'), '--kill-at', '7'])
     assert 'rank 1: SIGKILL at step 7' in log
     assert (ref['attempt'], ref['start_step']) == (0, 0)

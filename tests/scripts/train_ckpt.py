@@ -16,15 +16,8 @@ from dtnb.train import fit
 from dtnb.checkpoint import export_model
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument('--steps', type=int, default=12)
-    ap.add_argument('--every', type=int, default=3)
-    ap.add_argument('--dir', required=True, help="checkpoint directory")
-    ap.add_argument('--out', required=True, help="final parameters (.pt or .safetensors)")
-    ap.add_argument('--kill-at', type=int, default=0, help="step whose forward pass kills a rank (0: none)")
-    ap.add_argument('--kill-rank', type=int, default=1)
-    a = ap.parse_args()
+def train(steps=12, every=3, dir=None, out=None, kill_at=0, kill_rank=1) -> dict:
+    "Train DDP ToyModel for `steps` with checkpoints in `dir`; export the final parameters to `out`; returns what fit did"
     init_distributed()
     attempt = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))
     torch.manual_seed(0)
@@ -36,17 +29,28 @@ def main():
     def loss_fn(out, y):
         nonlocal calls
         calls += 1
-        if calls == a.kill_at and attempt == 0 and rank() == a.kill_rank:
+        if calls == kill_at and attempt == 0 and rank() == kill_rank:
             print(f"rank {rank()}: SIGKILL at step {calls}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return nn.functional.mse_loss(out + 0.05 * torch.randn_like(out), y)
 
-    res = fit(model, loader, opt, loss_fn, epochs=3, max_steps=a.steps, progress=False, checkpoint_dir=a.dir, every=a.every)
-    export_model(a.out, model)
-    if is_main():
-        print(json.dumps(dict(attempt=attempt, world_size=world_size(), steps=res.steps, start_step=res.start_step,
-                              resumed_from=res.resumed_from, losses=res.losses)), flush=True)
-    del model, opt
+    res = fit(model, loader, opt, loss_fn, epochs=3, max_steps=steps, progress=False, checkpoint_dir=dir, every=every)
+    export_model(out, model)
+    return dict(attempt=attempt, world_size=world_size(), steps=res.steps, start_step=res.start_step,
+                resumed_from=res.resumed_from, losses=res.losses)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument('--steps', type=int, default=12)
+    ap.add_argument('--every', type=int, default=3)
+    ap.add_argument('--dir', required=True, help="checkpoint directory")
+    ap.add_argument('--out', required=True, help="final parameters (.pt or .safetensors)")
+    ap.add_argument('--kill-at', type=int, default=0, help="step whose forward pass kills a rank (0: none)")
+    ap.add_argument('--kill-rank', type=int, default=1)
+    a = ap.parse_args()
+    r = train(a.steps, a.every, a.dir, a.out, a.kill_at, a.kill_rank)
+    if is_main(): print(json.dumps(r), flush=True)
     shutdown()
 
 
