@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from .launch import world_size, is_main, current_device
 from .device import md_table, text_table
-from .checkpoint import resumable, latest_checkpoint, load_checkpoint, save_checkpoint, checkpoint_path, list_checkpoints
+from .checkpoint import resumable, latest_checkpoint, load_checkpoint, save_checkpoint, checkpoint_path
 
 # %% auto #0
 __all__ = ['FitResult', 'fit']
