@@ -4,6 +4,12 @@ __version__ = "0.1.0"
 # submodules load only when the feature that needs them runs). Hand-written: nbdev only updates `__version__`.
 _API = {
     'detect': 'device', 'DeviceReport': 'device', 'parse_launch_env': 'device', 'LaunchEnv': 'device',
+    'ToyModel': 'models', 'toy_data': 'models', 'toy_sequences': 'models',
+    'launch': 'launch', 'LaunchError': 'launch', 'init_distributed': 'launch', 'shutdown': 'launch', 'rank': 'launch',
+    'world_size': 'launch', 'local_rank': 'launch', 'is_main': 'launch', 'barrier': 'launch', 'rank0_first': 'launch',
+    'current_device': 'launch',
+    'wrap': 'ddp', 'distributed_loader': 'ddp',
+    'fit': 'train', 'FitResult': 'train',
 }
 
 def __getattr__(name):

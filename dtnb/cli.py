@@ -18,7 +18,24 @@ def _env(args):
     print(json.dumps(r.to_dict(), indent=2) if args.json else r)
     return 0
 
-# %% ../nbs/10_cli.ipynb #c006
+# %% ../nbs/10_cli.ipynb #c007
+def _split_launch_args(rest):
+    "Split `[torchrun options] script.py [script args]` at the script"
+    for i, a in enumerate(rest):
+        if a.endswith('.py') and not a.startswith('-'): return rest[:i], a, rest[i + 1:]
+    raise ValueError("dtnb launch needs a script to run, e.g. `dtnb launch -n 2 train.py --epochs 1` "
+                     "(torchrun options go before the script)")
+
+def _launch(args):
+    import os, subprocess
+    from dtnb.launch import torchrun_command
+    tr, script, script_args = _split_launch_args(args.rest)
+    if not os.path.exists(script): raise ValueError(f"script {script!r} not found")
+    cmd, env = torchrun_command(args.nprocs, script, script_args, tr)
+    if args.dry_run: print(' '.join(cmd)); return 0
+    return subprocess.run(cmd, env={**os.environ, **env}).returncode
+
+# %% ../nbs/10_cli.ipynb #c008
 def parser() -> argparse.ArgumentParser:
     "The `dtnb` command-line parser with all its subcommands"
     p = argparse.ArgumentParser(prog='dtnb', description="Take PyTorch training from one device to many.")
@@ -26,13 +43,21 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser('env', help="what this machine and this launch can do for training")
     e.add_argument('--json', action='store_true', help="print the report as JSON")
     e.set_defaults(func=_env)
+    l = sub.add_parser('launch', help="run a script on N local ranks through torchrun",
+                       usage="dtnb launch -n N [torchrun options] script.py [script args]")
+    l.add_argument('-n', '--nprocs', type=int, required=True, help="ranks on this node (torchrun --nproc-per-node)")
+    l.add_argument('--dry-run', action='store_true', help="print the torchrun command instead of running it")
+    l.add_argument('rest', nargs=argparse.REMAINDER, help="torchrun options, then the script and its arguments")
+    l.set_defaults(func=_launch)
     return p
 
-# %% ../nbs/10_cli.ipynb #c007
+# %% ../nbs/10_cli.ipynb #c009
 def main(argv:list[str]|None=None) -> int:
     "Entry point of the `dtnb` command (`argv=None` reads `sys.argv` and turns bad input into a one-line error)"
     p = parser()
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    if extra and getattr(args, 'command', None) != 'launch': p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra: args.rest = extra + args.rest  # torchrun options that argparse does not know, before the script
     if not getattr(args, 'func', None): p.print_help(); return 2
     try: return args.func(args) or 0
     except ValueError as e:  # bad input (a malformed launcher variable, a wrong option value): say what, not where
