@@ -7,7 +7,7 @@ Docs: https://dtnb-dev.github.io/dtnb/fsdp.html.md"""
 # %% ../nbs/02a_fsdp.ipynb #c002
 from __future__ import annotations
 import weakref
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, asdict
 import torch
 from torch import nn
 from .device import md_table, text_table
@@ -162,27 +162,35 @@ def _track_replaced(before, model):
         _HOOK.append(register_optimizer_step_pre_hook(_step_pre_hook))
 
 # %% ../nbs/02a_fsdp.ipynb #c028
+def _own_params(m): return {n: p for n, p in m.named_parameters(recurse=False)}
+def _has_state(m): return bool(_own_params(m)) or any(True for _ in m.buffers(recurse=False))
+
 def _needs_init(model, init):
+    "Modules that hold parameters or buffers of their own and have no way to be initialised"
     if init is not None: return []
-    return [f"{n or '(root)'} ({type(m).__name__})" for n, m in model.named_modules()
-            if (m._parameters or m._buffers) and not hasattr(m, 'reset_parameters')]
+    return [f"{n or '(root)'} ({type(m).__name__})" for n, m in model.named_modules() if _has_state(m) and not hasattr(m, 'reset_parameters')]
 
 @torch.no_grad()
 def _materialize(model, device, init):
     "Give a meta-device sharded model real storage, then fill it one module at a time (`init(module)` or reset_parameters)"
     from torch.distributed.tensor import DTensor, distribute_tensor
     model.to_empty(device=device)
-    for m in model.modules():
-        own = {n: p for n, p in m._parameters.items() if p is not None}
-        if not own and not m._buffers: continue
-        full = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad) for n, p in own.items()}
-        for n, t in full.items(): m.register_parameter(n, t)
-        try: (init or type(m).reset_parameters)(m)
+    for name, m in model.named_modules():
+        if not _has_state(m): continue
+        own = _own_params(m)
+        for n, p in own.items(): m.register_parameter(n, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad))
+        try:
+            (init or type(m).reset_parameters)(m)
+            filled = _own_params(m)  # what the module holds now: init may have assigned new parameters
         finally:
             for n, p in own.items(): m.register_parameter(n, p)
         for n, p in own.items():
-            if isinstance(p, DTensor): p.to_local().copy_(distribute_tensor(full[n].data, p.device_mesh, p.placements, src_data_rank=None).to_local())
-            else: p.copy_(full[n])
+            if n not in filled or filled[n].shape != p.shape:
+                raise ValueError(f"init left {name}.{n} {'missing' if n not in filled else f'with shape {tuple(filled[n].shape)}'}; "
+                                 f"it must fill it in place with shape {tuple(p.shape)}")
+            full = filled[n].detach().to(device)
+            if isinstance(p, DTensor): p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
+            else: p.copy_(full)
 
 # %% ../nbs/02a_fsdp.ipynb #c030
 def apply_fsdp(model:nn.Module,
@@ -192,7 +200,7 @@ def apply_fsdp(model:nn.Module,
                reduce_dtype=None,             # dtype of the gradient reduce-scatter; default float32 when param_dtype is set
                reshard_after_forward:bool|int=True, # True: free gathered blocks after forward (ZeRO-3); False: keep them for backward (ZeRO-2-like)
                cpu_offload:bool=False,        # keep shards, gradients and optimizer state in CPU memory
-               init=None,                     # meta-device models: init(module) fills one module's own parameters; default reset_parameters
+               init=None,                     # meta-device models: init(module) fills the parameters and buffers of its own; default reset_parameters()
                device=None,                   # default: this rank's device
               ) -> nn.Module:
     "Shard `model` with FSDP2: each repeated block, then the root; returns the model to train (build the optimizer after)"
