@@ -178,7 +178,7 @@ def _materialize(model, device, init):
     for name, m in model.named_modules():
         if not _has_state(m): continue
         own = _own_params(m)
-        for n, p in own.items(): m.register_parameter(n, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad))
+        for n, p in own.items(): m.register_parameter(n, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device='cpu'), p.requires_grad))
         try:
             (init or type(m).reset_parameters)(m)
             filled = _own_params(m)  # what the module holds now: init may have assigned new parameters
@@ -188,7 +188,7 @@ def _materialize(model, device, init):
             if n not in filled or filled[n].shape != p.shape:
                 raise ValueError(f"init left {name}.{n} {'missing' if n not in filled else f'with shape {tuple(filled[n].shape)}'}; "
                                  f"it must fill it in place with shape {tuple(p.shape)}")
-            full = filled[n].detach().to(device)
+            full = filled[n].detach()
             if isinstance(p, DTensor): p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
             else: p.copy_(full)
 
