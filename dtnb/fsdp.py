@@ -18,7 +18,7 @@ from .ddp import _need_group
 __all__ = ['find_blocks', 'shard_units', 'ShardPlan', 'plan_fsdp', 'check_optimizer', 'apply_fsdp', 'state_bytes',
            'full_state_dict']
 
-# %% ../nbs/02a_fsdp.ipynb #c007
+# %% ../nbs/02a_fsdp.ipynb #c008
 def _holds_params(m): return next(m.parameters(), None) is not None
 
 def find_blocks(model:nn.Module) -> dict:
@@ -33,7 +33,7 @@ def find_blocks(model:nn.Module) -> dict:
                 found.setdefault(cls, []).extend(names)
     return found
 
-# %% ../nbs/02a_fsdp.ipynb #c011
+# %% ../nbs/02a_fsdp.ipynb #c012
 def _cls_matches(m, layer_cls):
     for c in layer_cls:
         if isinstance(c, str):
@@ -52,7 +52,7 @@ def _candidates(model):
     o = ', '.join(f"{k} ({v})" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]) if v >= 2)
     return f"candidate block classes found: {b or 'none'}" + (f"; other repeated classes: {o}" if o else '')
 
-# %% ../nbs/02a_fsdp.ipynb #c012
+# %% ../nbs/02a_fsdp.ipynb #c013
 def shard_units(model:nn.Module, layer_cls=None) -> list:
     "Names of the submodules to shard as units, innermost first; `layer_cls`: class(es) or class name(s), default: `find_blocks`"
     if layer_cls is None: cls = tuple(find_blocks(model))
@@ -65,7 +65,7 @@ def shard_units(model:nn.Module, layer_cls=None) -> list:
         if missing: raise ValueError(f"layer_cls={', '.join(map(repr, missing))} is not a module class in this model; {_candidates(model)}")
     return names[::-1]  # children before parents: fully_shard must see inner units first
 
-# %% ../nbs/02a_fsdp.ipynb #c017
+# %% ../nbs/02a_fsdp.ipynb #c018
 @dataclass
 class ShardPlan:
     "Which modules FSDP shards, and the parameter bytes each holds in full and per rank"
@@ -83,7 +83,7 @@ class ShardPlan:
     def _repr_markdown_(self): return f"**{self.title()}**\n\n" + md_table(self._cols, self._rows())
     def __str__(self): return self.title() + '\n' + text_table(self._cols, self._rows())
 
-# %% ../nbs/02a_fsdp.ipynb #c018
+# %% ../nbs/02a_fsdp.ipynb #c019
 def _rank_numel(p, shard):
     "Elements of `p` on the rank with the largest piece when dim 0 is cut into `shard` chunks"
     if p.dim() == 0: return 1
@@ -101,7 +101,7 @@ def plan_fsdp(model:nn.Module, layer_cls=None, mesh:tuple|None=None) -> ShardPla
                       sum(p.numel() * p.element_size() for p in ps), sum(_rank_numel(p, shard) * p.element_size() for p in ps)))
     return ShardPlan(units, replicate, shard)
 
-# %% ../nbs/02a_fsdp.ipynb #c022
+# %% ../nbs/02a_fsdp.ipynb #c023
 _DTYPES = {'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16, 'fp16': torch.float16, 'float16': torch.float16,
            'half': torch.float16, 'fp32': torch.float32, 'float32': torch.float32, 'float': torch.float32}
 
@@ -125,7 +125,7 @@ def _mesh(mesh, device_type):
                          f"choose replicate × shard = {ws}, e.g. {' or '.join(map(str, pairs))}")
     return init_device_mesh(device_type, (r, s), mesh_dim_names=('replicate', 'shard'))
 
-# %% ../nbs/02a_fsdp.ipynb #c025
+# %% ../nbs/02a_fsdp.ipynb #c026
 _MARK = '_dtnb_replaced_by_fsdp'        # set on each parameter object that sharding took out of a model
 _CHECKED = weakref.WeakKeyDictionary()  # optimizer -> number of parameters it held when it passed the check
 _HOOK = []
@@ -151,7 +151,7 @@ def check_optimizer(model:nn.Module, optimizer:torch.optim.Optimizer):
     if not any(id(p) in own for g in optimizer.param_groups for p in g['params']):
         raise RuntimeError("the optimizer holds none of the model's parameters: build it from model.parameters() after wrap(...)")
 
-# %% ../nbs/02a_fsdp.ipynb #c026
+# %% ../nbs/02a_fsdp.ipynb #c027
 def _track_replaced(before, model):
     "Remember the parameters in `before` that `model` no longer holds; install the optimizer step check once"
     now = {id(p) for p in model.parameters()}
@@ -161,7 +161,7 @@ def _track_replaced(before, model):
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         _HOOK.append(register_optimizer_step_pre_hook(_step_pre_hook))
 
-# %% ../nbs/02a_fsdp.ipynb #c028
+# %% ../nbs/02a_fsdp.ipynb #c029
 def _own_params(m): return {n: p for n, p in m.named_parameters(recurse=False)}
 def _has_state(m): return bool(_own_params(m)) or any(True for _ in m.buffers(recurse=False))
 
@@ -192,7 +192,7 @@ def _materialize(model, device, init):
             if isinstance(p, DTensor): p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
             else: p.copy_(full)
 
-# %% ../nbs/02a_fsdp.ipynb #c030
+# %% ../nbs/02a_fsdp.ipynb #c031
 def apply_fsdp(model:nn.Module,
                layer_cls=None,                # block class(es) or name(s) to shard as units; default: found by `find_blocks`
                mesh=None,                     # DeviceMesh, or (replicate, shard) for hybrid sharding; default: shard over all ranks
@@ -226,7 +226,7 @@ def apply_fsdp(model:nn.Module,
     _track_replaced(before, model)
     return model
 
-# %% ../nbs/02a_fsdp.ipynb #c035
+# %% ../nbs/02a_fsdp.ipynb #c036
 def _local_nbytes(t) -> int:
     from torch.distributed.tensor import DTensor
     if isinstance(t, DTensor): t = t.to_local()
@@ -239,7 +239,7 @@ def state_bytes(model:nn.Module, optimizer:torch.optim.Optimizer|None=None) -> d
                 gradients=sum(_local_nbytes(p.grad) for p in ps if p.grad is not None),
                 optimizer=sum(_local_nbytes(v) for s in (optimizer.state.values() if optimizer else []) for v in s.values()))
 
-# %% ../nbs/02a_fsdp.ipynb #c061
+# %% ../nbs/02a_fsdp.ipynb #c062
 def full_state_dict(model:nn.Module, all_ranks:bool=False) -> dict:
     "The unsharded state dict of a (sharded or data-parallel) model, on rank 0's CPU (`all_ranks`: on every rank's device)"
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions

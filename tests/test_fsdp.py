@@ -11,6 +11,14 @@ from dtnb.fsdp import state_bytes, full_state_dict, check_optimizer, plan_fsdp
 from dtnb.models import ToyModel, Block, toy_data
 
 
+@pytest.fixture(autouse=True, scope='module')
+def one_thread():
+    "The single-process references here are tiny: one thread is fastest and leaves the other core to the ranks"
+    n = torch.get_num_threads(); torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make_opt(model, opt):
     return torch.optim.AdamW(model.parameters(), lr=1e-2) if opt == 'adamw' else torch.optim.SGD(model.parameters(), lr=0.05)
 
