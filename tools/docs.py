@@ -91,9 +91,12 @@ def _exec_one(path):
 def execute(paths, n_workers=2):
     "Execute notebooks in parallel; raise naming each notebook that failed"
     from concurrent.futures import ProcessPoolExecutor
+    # Workers find `_exec_one` through the importable module `docs`: executing a notebook replaces `__main__`.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from docs import _exec_one as run_one
     res, failed = {}, []
     with ProcessPoolExecutor(n_workers) as ex:
-        futs = {p: ex.submit(_exec_one, p) for p in paths}
+        futs = {p: ex.submit(run_one, p) for p in paths}
         for p, f in futs.items():
             try:
                 _, outs, dt = f.result()
