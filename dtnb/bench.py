@@ -6,17 +6,18 @@ Docs: https://dtnb-dev.github.io/dtnb/bench.html.md"""
 
 # %% ../nbs/06_bench.ipynb #c002
 from __future__ import annotations
-import os, re, gc, glob, json, math, time, datetime, contextlib, statistics
+import re, gc, glob, json, math, time, datetime, contextlib, statistics
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 import torch
 from .device import detect, md_table, text_table
 
 # %% auto #0
-__all__ = ['PEAK_MEM_BW', 'COLLECTIVES', 'time_fn', 'summarize', 'cache_bytes', 'BenchResult', 'matmul_flops', 'bench_matmul',
-           'peak_memory_bw', 'bench_memory', 'busbw_factor', 'algbw', 'busbw', 'collective_counts', 'collective_sizes',
-           'expected_output', 'collective_rank', 'bench_collectives', 'default_loss', 'step_flops', 'mfu',
-           'achievable_tflops', 'bench_model']
+__all__ = ['PEAK_MEM_BW', 'COLLECTIVES', 'PRICE_EXAMPLES', 'BENCHMARKS', 'time_fn', 'summarize', 'cache_bytes', 'BenchResult',
+           'matmul_flops', 'bench_matmul', 'peak_memory_bw', 'bench_memory', 'busbw_factor', 'algbw', 'busbw',
+           'collective_counts', 'collective_sizes', 'expected_output', 'collective_rank', 'bench_collectives',
+           'default_loss', 'step_flops', 'mfu', 'achievable_tflops', 'bench_model', 'predict_sync_seconds',
+           'scaling_rank', 'bench_scaling', 'cost_per_experiment', 'bench_all']
 
 # %% ../nbs/06_bench.ipynb #c005
 def _dev(device=None) -> torch.device:
@@ -29,12 +30,14 @@ def _sync(device):
     "Wait until `device` has run all its queued work (CPU ops run synchronously: nothing to wait for)"
     if device.type != 'cpu': torch.accelerator.synchronize(device)
 
-def _measure(fn, device, start, number):
+_CLOCKS = {'wall': time.perf_counter, 'thread': time.thread_time}
+
+def _measure(fn, device, start, number, clock='wall'):
     "Call `fn(start)`..`fn(start+number-1)`; return a callable giving their seconds once the device is synchronised"
     if device.type == 'cpu':
-        t0 = time.perf_counter()
+        now = _CLOCKS[clock]; t0 = now()
         for i in range(start, start + number): fn(i)
-        dt = time.perf_counter() - t0
+        dt = now() - t0
         return lambda: dt
     a, b = torch.Event(device=device, enable_timing=True), torch.Event(device=device, enable_timing=True)
     a.record()
@@ -42,29 +45,39 @@ def _measure(fn, device, start, number):
     b.record()
     return lambda: a.elapsed_time(b) / 1e3
 
+def _check_clock(clock, device):
+    if clock not in _CLOCKS: raise ValueError(f"clock must be 'wall' or 'thread', got {clock!r}")
+    if clock == 'thread' and device.type == 'cpu' and torch.get_num_threads() != 1:
+        raise ValueError(f"clock='thread' counts the CPU time of one thread, but torch runs {torch.get_num_threads()}: "
+                         "pass threads=1 (or call torch.set_num_threads(1))")
+
 # %% ../nbs/06_bench.ipynb #c006
 def time_fn(fn,                # called as `fn(i)` with the call index `i` (use it to rotate inputs)
             device=None,       # the device `fn` runs on (default: the one `detect()` recommends)
             repeats:int=10,    # measurements to return
             warmup:int=3,      # calls before measuring, not timed
             number:int|None=1, # calls per measurement; None picks enough to last `min_time`
-            min_time:float=1e-3,
+            min_time:float=1e-3, # seconds a measurement should last when `number` is None
+            clock:str='wall',  # CPU only: 'wall' time, or 'thread' CPU time (immune to other processes; one torch thread)
            ) -> list[float]:
     "Seconds per call of `fn`: `warmup` calls, then `repeats` device-synchronised measurements of `number` calls"
     device = _dev(device)
     if repeats < 1 or warmup < 0 or (number is not None and number < 1):
-        raise ValueError(f"time_fn needs repeats >= 1, warmup >= 0 and number >= 1 or None; got repeats={repeats}, warmup={warmup}, number={number}")
+        raise ValueError(f"time_fn needs repeats >= 1, warmup >= 0 and number >= 1 or None; "
+                         f"got repeats={repeats}, warmup={warmup}, number={number}")
+    _check_clock(clock, device)
     for i in range(warmup): fn(i)
     _sync(device)
     i = warmup
     if number is None:
-        once = _measure(fn, device, i, 1); _sync(device); i += 1
+        once = _measure(fn, device, i, 1, clock); _sync(device); i += 1
         number = max(1, math.ceil(min_time / max(once(), 1e-9)))
-    pending = [_measure(fn, device, i + r * number, number) for r in range(repeats)]
+    pending = [_measure(fn, device, i + r * number, number, clock) for r in range(repeats)]
     _sync(device)
     out = [p() / number for p in pending]
     if not all(t > 0 and math.isfinite(t) for t in out):
-        raise RuntimeError(f"A measurement came out as {min(out)} s: the clock is too coarse for this call; pass number=None (or a larger number) so each measurement lasts longer")
+        raise RuntimeError(f"A measurement came out as {min(out)} s: the clock is too coarse for this call; "
+                           "pass number=None (or a larger number) so each measurement lasts longer")
     return out
 
 # %% ../nbs/06_bench.ipynb #c011
@@ -79,7 +92,7 @@ def summarize(times:list) -> dict:
     return dict(median=statistics.median(times), mean=statistics.fmean(times), min=min(times), max=max(times),
                 p10=_pct(times, 10), p90=_pct(times, 90), n=len(times))
 
-# %% ../nbs/06_bench.ipynb #c016
+# %% ../nbs/06_bench.ipynb #c015
 def _parse_size(s:str) -> int:
     "Bytes in a sysfs cache size such as '48K' or '300M'"
     m = re.fullmatch(r'\s*(\d+)\s*([KMG]?)\s*', s)
@@ -95,18 +108,7 @@ def cache_bytes(device=None) -> int:
         if sizes: return max(sizes)
     return 256 * 2**20
 
-# %% ../nbs/06_bench.ipynb #c020
-_PLOTS = {}  # kind -> function(result, ax) drawing that kind of result; each section below adds its own
-
-def _cell(v) -> str:
-    "One table cell: floats to 3-4 significant figures, None as '-'"
-    if v is None: return '-'
-    if isinstance(v, float): return f"{v:.1f}" if abs(v) >= 100 else f"{v:.3g}"
-    return str(v)
-
-def _now(): return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
-
-# %% ../nbs/06_bench.ipynb #c021
+# %% ../nbs/06_bench.ipynb #c019
 @dataclass
 class BenchResult:
     "One benchmark's measurements, headline figures, and where and when they were taken"
@@ -146,11 +148,13 @@ class BenchResult:
         _PLOTS[self.kind](self, ax); ax.set_title(f"{self.kind}: {self.fingerprint}", fontsize=8)
         return ax
 
-# %% ../nbs/06_bench.ipynb #c022
+# %% ../nbs/06_bench.ipynb #c020
 def _result(kind, rows, columns, summary, device, config, series=None, report=None) -> BenchResult:
     "A `BenchResult` stamped with this machine's fingerprint and the time"
     report = report or detect()
-    return BenchResult(kind, rows, list(columns), summary, str(device), report.fingerprint(), _now(), config, series or {})
+    plain = lambda o: json.loads(json.dumps(o))  # JSON types throughout, so a loaded result equals the original
+    return BenchResult(kind, plain(rows), [tuple(c) for c in columns], plain(summary), str(device), report.fingerprint(), _now(),
+                       plain(config), plain(series or {}))
 
 def _info(report, device):
     "The `DeviceInfo` of `device` in `report`"
@@ -158,13 +162,23 @@ def _info(report, device):
         if d.type == device.type and (d.type == 'cpu' or d.index == device.index): return d
     raise ValueError(f"{device} is not among the devices found: {[d.key for d in report.devices]}")
 
+_PLOTS = {}  # kind -> function(result, ax) drawing that kind of result; each section below adds its own
+
+def _cell(v) -> str:
+    "One table cell: floats to 3-4 significant figures, None as '-'"
+    if v is None: return '-'
+    if isinstance(v, float): return f"{v:.1f}" if abs(v) >= 100 else f"{v:.3g}"
+    return str(v)
+
+def _now(): return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
+
 def _bar(it, desc, enable, total=None):
     "`it` with a progress bar when `enable`"
     if not enable: return it
     from tqdm.auto import tqdm
     return tqdm(it, desc=desc, total=total, leave=False)
 
-# %% ../nbs/06_bench.ipynb #c024
+# %% ../nbs/06_bench.ipynb #c022
 _DTYPES = dict(fp64=torch.float64, fp32=torch.float32, tf32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16,
                fp8=torch.float8_e4m3fn)
 
@@ -179,7 +193,7 @@ def _check_dtype(name, device, info):
     if name == 'fp8' and device.type == 'cuda' and not info.fp8:
         raise ValueError(f"{info.name} (compute capability {info.capability}) has no fp8 matmul: it needs 8.9 or newer")
 
-# %% ../nbs/06_bench.ipynb #c025
+# %% ../nbs/06_bench.ipynb #c023
 @contextlib.contextmanager
 def _precision(name):
     "fp32 matmuls on TF32 tensor cores for 'tf32' only, true fp32 otherwise; restored afterwards"
@@ -196,7 +210,7 @@ def _threads(n):
     try: yield
     finally: torch.set_num_threads(old)
 
-# %% ../nbs/06_bench.ipynb #c027
+# %% ../nbs/06_bench.ipynb #c026
 def _pool(name, nelem, device):
     "`nelem` values for dtype `name` on `device`: a random block tiled over the whole pool"
     block = torch.rand(min(nelem, 2**20), device=device).to(_DTYPES[name])
@@ -217,7 +231,7 @@ def _matmul_case(name, m, n, k, pool):
     else: fn = lambda i: torch.mm(As[i % copies], Bs[i % copies], out=out)
     return fn, copies * pair * pool.element_size()
 
-# %% ../nbs/06_bench.ipynb #c032
+# %% ../nbs/06_bench.ipynb #c031
 def _default_shapes(device, quick):
     if device.type == 'cpu': s = [256, 512, 1024] if quick else [256, 512, 1024, 2048, 3072, 4096]
     else: s = [2048, 4096, 8192] if quick else [1024, 2048, 4096, 6144, 8192, 12288, 16384]
@@ -237,7 +251,7 @@ def _shapes(sizes):
     if bad: raise ValueError(f"Matmul sizes must be positive ints (squares) or (m, n, k) triples of them; got {bad}")
     return out
 
-# %% ../nbs/06_bench.ipynb #c033
+# %% ../nbs/06_bench.ipynb #c032
 def _unit(device): return ('GFLOPS', 1e9) if device.type == 'cpu' else ('TFLOPS', 1e12)
 
 def _matmul_row(name, m, n, k, times, span, info, device):
@@ -261,35 +275,38 @@ def _matmul_summary(rows, dtypes, info, device):
         out[f"{name} % of spec peak"] = best['pct_peak']
     return out
 
-# %% ../nbs/06_bench.ipynb #c034
+# %% ../nbs/06_bench.ipynb #c033
 def bench_matmul(dtypes:list|None=None,  # 'fp64', 'fp32', 'tf32', 'bf16', 'fp16', 'fp8'; default: what the device does fast
                  sizes:list|None=None,   # ints (square) or (m, n, k) triples; default: a sweep for the device
                  device=None, repeats:int=10, warmup:int=3,
                  threads:int|None=None,  # CPU torch threads while measuring (default: as set)
+                 clock:str='wall',       # CPU only: 'wall', or 'thread' CPU time (needs threads=1)
                  quick:bool=False, progress:bool=True) -> BenchResult:
     "Achieved matmul throughput per dtype and shape, the maximum achievable over the shapes, and % of the spec peak"
     report = detect(); device = _dev(device); info = _info(report, device)
     dtypes = list(dtypes or _default_dtypes(device, info, quick)); shapes = _shapes(sizes or _default_shapes(device, quick))
     for name in dtypes: _check_dtype(name, device, info)
-    rows, cache = [], cache_bytes(device)
+    rows, cache, seconds = [], cache_bytes(device), {}
     with _threads(threads):
+        _check_clock(clock, device)
         for name in dtypes:
             esize = _DTYPES[name].itemsize
             pool = _pool(name, max(2 * cache // esize, max(m * k + k * n for m, n, k in shapes)), device)
             with _precision(name):
                 for m, n, k in _bar(shapes, f"matmul {name}", progress):
                     fn, span = _matmul_case(name, m, n, k, pool)
-                    rows.append(_matmul_row(name, m, n, k, time_fn(fn, device, repeats, warmup), span, info, device))
+                    seconds[f"{name} {m}x{n}x{k}"] = times = time_fn(fn, device, repeats, warmup, clock=clock)
+                    rows.append(_matmul_row(name, m, n, k, times, span, info, device))
             del pool, fn
         nthreads = torch.get_num_threads()
     unit = _unit(device)[0]
     cols = [('dtype', 'dtype'), ('m x n x k', 'shape'), ('median ms', 'ms'), (unit, 'value'), (f'best {unit}', 'best'),
             ('% of spec peak', 'pct_peak'), ('inputs rotated (MiB)', 'rotated_mib')]
-    cfg = dict(dtypes=dtypes, shapes=shapes, repeats=repeats, warmup=warmup, threads=nthreads if device.type == 'cpu' else None,
+    cfg = dict(dtypes=dtypes, shapes=shapes, repeats=repeats, warmup=warmup, threads=nthreads if device.type == 'cpu' else None, clock=clock,
                cache_bytes=cache, peak_source=info.peak_source)
-    return _result('matmul', rows, cols, _matmul_summary(rows, dtypes, info, device), device, cfg, report=report)
+    return _result('matmul', rows, cols, _matmul_summary(rows, dtypes, info, device), device, cfg, dict(seconds=seconds), report)
 
-# %% ../nbs/06_bench.ipynb #c040
+# %% ../nbs/06_bench.ipynb #c039
 def _plot_matmul(r, ax):
     unit = next(h for h, k in r.columns if k == 'value')
     for name in dict.fromkeys(x['dtype'] for x in r.rows):
@@ -301,7 +318,7 @@ def _plot_matmul(r, ax):
 
 _PLOTS['matmul'] = _plot_matmul
 
-# %% ../nbs/06_bench.ipynb #c048
+# %% ../nbs/06_bench.ipynb #c047
 # Memory bandwidth per device from vendor datasheets (TB/s); checked 2026-11. Unknown devices report 'unknown'.
 PEAK_MEM_BW = [  # (name regex, label, TB/s, source)
     (r'H100.*(HBM3|SXM)', 'H100 SXM', 3.35, 'NVIDIA H100 datasheet (SXM)'),
@@ -318,12 +335,9 @@ def peak_memory_bw(name:str) -> tuple[float|None, str|None]:
         if re.search(pat, name, re.I): return tbs, f"{label}: {src}"
     return None, None
 
-# %% ../nbs/06_bench.ipynb #c049
-def _mem_row(test, nbytes, moved, times, peak=None):
+def _mem_row(test, nbytes, moved, times):
     med = statistics.median(times)
-    gbs = moved / med / 1e9
-    return dict(test=test, mib=nbytes / 2**20, ms=med * 1e3, gbs=gbs, best_gbs=moved / min(times) / 1e9,
-                pct_peak=(100 * gbs / (peak * 1e3) if peak else 'unknown') if peak is not False else None)
+    return dict(test=test, mib=nbytes / 2**20, ms=med * 1e3, gbs=moved / med / 1e9, best_gbs=moved / min(times) / 1e9, pct_peak=None)
 
 def _transfer_cases(n, device):
     "(name, fn) for host<->device copies of `n` bytes, pageable and pinned, both directions"
@@ -332,7 +346,7 @@ def _transfer_cases(n, device):
     return [('host->device pageable', lambda i: dev.copy_(page)), ('host->device pinned', lambda i: dev.copy_(pin, non_blocking=True)),
             ('device->host pageable', lambda i: page.copy_(dev)), ('device->host pinned', lambda i: pin.copy_(dev, non_blocking=True))]
 
-# %% ../nbs/06_bench.ipynb #c050
+# %% ../nbs/06_bench.ipynb #c048
 def bench_memory(device=None,
                  nbytes:int|None=None,    # bytes per copy buffer (default: 4x the cache, at least 256 MiB; 2x when quick)
                  transfer_bytes:int|None=None,  # bytes per host<->device copy (default 256 MiB, 64 MiB when quick)
@@ -340,32 +354,32 @@ def bench_memory(device=None,
     "Device memory copy bandwidth (bytes read + written) and host<->device transfer bandwidth, pageable and pinned"
     report = detect(); device = _dev(device); info = _info(report, device)
     cache = cache_bytes(device)
-    nbytes = nbytes or max((2 if quick else 4) * cache, 256 * 2**20)
+    nbytes = nbytes or max((2 if quick else 4) * cache, (256 if device.type == 'cpu' else 1024) * 2**20)
     peak, src = peak_memory_bw(info.name) if device.type != 'cpu' else (None, None)
     rows = []
     with _threads(threads):
         src_t = torch.ones(nbytes // 4, device=device); dst = torch.empty_like(src_t)
         name = 'host memory copy' if device.type == 'cpu' else 'device memory copy'
-        rows.append(_mem_row(name, nbytes, 2 * nbytes, time_fn(lambda i: dst.copy_(src_t), device, repeats, warmup), peak))
+        rows.append(_mem_row(name, nbytes, 2 * nbytes, time_fn(lambda i: dst.copy_(src_t), device, repeats, warmup)))
+        rows[0]['pct_peak'] = 100 * rows[0]['gbs'] / (peak * 1e3) if peak else 'unknown'
         del src_t, dst
         if device.type != 'cpu':
             n = transfer_bytes or (64 if quick else 256) * 2**20
             for test, fn in _bar(_transfer_cases(n, device), 'transfers', progress, 4):
-                rows.append(_mem_row(test, n, n, time_fn(fn, device, repeats, warmup), False))
+                rows.append(_mem_row(test, n, n, time_fn(fn, device, repeats, warmup)))
     summary = {r['test'] + ' GB/s': r['gbs'] for r in rows}
     summary['spec memory bandwidth GB/s'] = peak * 1e3 if peak else 'unknown'
     cols = [('test', 'test'), ('MiB', 'mib'), ('median ms', 'ms'), ('GB/s', 'gbs'), ('best GB/s', 'best_gbs'), ('% of spec', 'pct_peak')]
     cfg = dict(nbytes=nbytes, repeats=repeats, warmup=warmup, cache_bytes=cache, peak_source=src, threads=torch.get_num_threads())
     return _result('memory', rows, cols, summary, device, cfg, report=report)
 
-# %% ../nbs/06_bench.ipynb #c053
 def _plot_memory(r, ax):
     ax.barh([x['test'] for x in r.rows], [x['gbs'] for x in r.rows])
     ax.set_xlabel('GB/s'); ax.invert_yaxis()
 
 _PLOTS['memory'] = _plot_memory
 
-# %% ../nbs/06_bench.ipynb #c056
+# %% ../nbs/06_bench.ipynb #c053
 COLLECTIVES = ('all_reduce', 'all_gather', 'reduce_scatter', 'broadcast', 'all_to_all')
 
 def busbw_factor(op:str, n:int) -> float:
@@ -384,7 +398,7 @@ def busbw(op:str, nbytes:float, seconds:float, n:int) -> float:
     "Bus bandwidth in GB/s of collective `op` moving `nbytes` in `seconds` on `n` ranks"
     return algbw(nbytes, seconds) * busbw_factor(op, n)
 
-# %% ../nbs/06_bench.ipynb #c061
+# %% ../nbs/06_bench.ipynb #c058
 def collective_counts(op:str, nbytes:int, n:int, elem_size:int) -> dict:
     "nccl-tests' element counts for `op` at a requested `nbytes`: size moved, count per call, send and receive elements"
     count = nbytes // elem_size
@@ -403,7 +417,7 @@ def collective_sizes(min_bytes:int=8, max_bytes:int=2**20, factor:int=2) -> list
     while out[-1] * factor <= max_bytes: out.append(out[-1] * factor)
     return out
 
-# %% ../nbs/06_bench.ipynb #c065
+# %% ../nbs/06_bench.ipynb #c062
 def _pattern(rank, pos): return 1 + rank + pos % 7
 
 def expected_output(op:str, rank:int, n:int, c:dict) -> torch.Tensor:
@@ -416,7 +430,7 @@ def expected_output(op:str, rank:int, n:int, c:dict) -> torch.Tensor:
     if op == 'all_to_all': return _pattern(i // p, rank * p + i % p)
     busbw_factor(op, n)
 
-# %% ../nbs/06_bench.ipynb #c066
+# %% ../nbs/06_bench.ipynb #c063
 def _run_collective(op, send, recv):
     "One call of collective `op` (all_reduce and broadcast work in place, on `recv`)"
     import torch.distributed as dist
@@ -433,7 +447,7 @@ def _check_collective(op, rank, n, c, dtype, device):
     _run_collective(op, send, recv); _sync(device)
     return int((recv.double().cpu() != expected_output(op, rank, n, c)).sum())
 
-# %% ../nbs/06_bench.ipynb #c068
+# %% ../nbs/06_bench.ipynb #c065
 def _time_collective(op, c, pools, iters, warmup, device):
     "Seconds per call of `op`, `iters` back-to-back calls after `warmup`, rotating through `pools`"
     import torch.distributed as dist
@@ -447,7 +461,7 @@ def _time_collective(op, c, pools, iters, warmup, device):
     _sync(device)
     return (time.perf_counter() - t0) / iters
 
-# %% ../nbs/06_bench.ipynb #c069
+# %% ../nbs/06_bench.ipynb #c066
 def collective_rank(ops:list, sizes:list, dtype:str='fp32', iters:int=20, warmup:int=5, progress:bool=False) -> list[dict]:
     "Run inside every rank of an initialised process group: time and verify each collective at each size"
     import torch.distributed as dist
@@ -464,7 +478,7 @@ def collective_rank(ops:list, sizes:list, dtype:str='fp32', iters:int=20, warmup
                          root=0 if op == 'broadcast' else -1, seconds=_time_collective(op, c, pools, iters, warmup, device), wrong=wrong))
     return rows
 
-# %% ../nbs/06_bench.ipynb #c070
+# %% ../nbs/06_bench.ipynb #c067
 def _merge_ranks(per_rank, n):
     "One row per (op, size): time averaged over ranks, #wrong summed, algbw and busbw from the averaged time"
     rows = []
@@ -485,7 +499,6 @@ def _collective_summary(rows, n, backend):
     out['#wrong'] = sum(r['wrong'] for r in rows)
     return out
 
-# %% ../nbs/06_bench.ipynb #c071
 _COLL_COLS = [('op', 'op'), ('size (B)', 'size'), ('count (elements)', 'count'), ('type', 'type'), ('redop', 'redop'),
               ('root', 'root'), ('time (us)', 'time_us'), ('algbw (GB/s)', 'algbw'), ('busbw (GB/s)', 'busbw'), ('#wrong', 'wrong')]
 
@@ -500,6 +513,9 @@ def bench_collectives(ops:list|None=None,   # some of COLLECTIVES (default: all)
     if nprocs < 2: raise ValueError(f"Collectives need at least 2 ranks, got nprocs={nprocs}")
     if dtype not in ('fp32', 'bf16', 'fp16', 'fp64'): raise ValueError(f"Collective dtype must be fp32, bf16, fp16 or fp64, got {dtype!r}")
     sizes = sorted(sizes or collective_sizes(8, 2**20 if quick else 64 * 2**20))
+    esize = _DTYPES[dtype].itemsize
+    if all(collective_counts(op, s, nprocs, esize)['count'] == 0 for op in ops for s in sizes):
+        raise ValueError(f"Every size in {sizes} is too small to give each of {nprocs} ranks one {dtype} element: use sizes >= {nprocs * esize} bytes")
     report = detect()
     per_rank = launch(collective_rank, ops, sizes, dtype, iters, warmup, progress, nprocs=nprocs, timeout=timeout)
     rows = _merge_ranks(per_rank, nprocs)
@@ -507,7 +523,6 @@ def bench_collectives(ops:list|None=None,   # some of COLLECTIVES (default: all)
     cfg = dict(ops=ops, sizes=sizes, nprocs=nprocs, dtype=dtype, iters=iters, warmup=warmup, backend=backend)
     return _result('collectives', rows, _COLL_COLS, _collective_summary(rows, nprocs, backend), report.recommended['device'], cfg, report=report)
 
-# %% ../nbs/06_bench.ipynb #c072
 def _plot_collectives(r, ax):
     for op in dict.fromkeys(x['op'] for x in r.rows):
         ax.plot([x['size'] for x in r.rows if x['op'] == op], [x['busbw'] for x in r.rows if x['op'] == op], marker='.', label=op)
@@ -515,7 +530,7 @@ def _plot_collectives(r, ax):
 
 _PLOTS['collectives'] = _plot_collectives
 
-# %% ../nbs/06_bench.ipynb #c074
+# %% ../nbs/06_bench.ipynb #c080
 def _split(batch):
     "(inputs, targets) from a batch given as a tensor or an (inputs, targets) pair"
     if isinstance(batch, torch.Tensor): return batch, None
@@ -537,7 +552,7 @@ def _train_step(model, opt, loss_fn, x, y, amp, device):
     loss.backward(); opt.step()
     return loss
 
-# %% ../nbs/06_bench.ipynb #c075
+# %% ../nbs/06_bench.ipynb #c081
 def step_flops(model, batch, loss_fn=None, amp:str|None=None) -> int:
     "FLOPs of one training step of `model` on `batch`, forward and backward, counted by `torch.utils.flop_counter`"
     from torch.utils.flop_counter import FlopCounterMode
@@ -549,7 +564,7 @@ def step_flops(model, batch, loss_fn=None, amp:str|None=None) -> int:
     model.zero_grad(set_to_none=True)
     return fc.get_total_flops()
 
-# %% ../nbs/06_bench.ipynb #c079
+# %% ../nbs/06_bench.ipynb #c085
 def mfu(achieved_tflops:float, peak_tflops:float|None):
     "Model FLOPs utilisation in %: achieved over peak TFLOPS; 'unknown' when the peak is unknown, never a stand-in"
     return 'unknown' if not peak_tflops else 100 * achieved_tflops / peak_tflops
@@ -566,7 +581,7 @@ def _compute_dtype(model, amp, device):
     if name == 'fp32' and device.type == 'cuda' and torch.get_float32_matmul_precision() != 'highest': return 'tf32'
     return name
 
-# %% ../nbs/06_bench.ipynb #c081
+# %% ../nbs/06_bench.ipynb #c087
 def _tokens_per_sample(x, tokens):
     "Tokens in one sample: `tokens` when given, the sequence length of integer (token id) inputs, else None"
     if tokens is False: return None
@@ -579,7 +594,7 @@ def _measured_peak(given, name, device):
     if given is None: given = bench_matmul([name], device=device, quick=True, progress=False)
     return achievable_tflops(given, name)
 
-# %% ../nbs/06_bench.ipynb #c082
+# %% ../nbs/06_bench.ipynb #c088
 def _model_summary(bs, tps, st, flops, name, info, measured, device):
     unit, scale = _unit(device)
     med = st['median']; achieved = flops / med / 1e12
@@ -592,7 +607,7 @@ def _model_summary(bs, tps, st, flops, name, info, measured, device):
                 'MFU % vs measured matmul peak': mfu(achieved, measured)})
     return out
 
-# %% ../nbs/06_bench.ipynb #c083
+# %% ../nbs/06_bench.ipynb #c089
 def bench_model(model, batch,                  # a tensor, or an (inputs, targets) pair
                 loss_fn=None,                  # loss_fn(output, targets); default `default_loss`
                 optimizer=None,                # default SGD(lr=1e-4)
@@ -616,9 +631,174 @@ def bench_model(model, batch,                  # a tensor, or an (inputs, target
     cfg = dict(model=type(model).__name__, batch=list(x.shape), steps=steps, warmup=warmup, amp=amp, peak_source=info.peak_source)
     return _result('model', rows, [('step time', 'stat'), ('ms', 'ms')], summary, device, cfg, dict(step_ms=[t * 1e3 for t in times]), report)
 
-# %% ../nbs/06_bench.ipynb #c089
 def _plot_model(r, ax):
     ax.hist(r.series['step_ms'], bins=min(20, max(5, len(r.series['step_ms']) // 2)))
     ax.axvline(r.summary['step ms (median)'], color='k', lw=1, label='median'); ax.set_xlabel('step time (ms)'); ax.legend(fontsize=8)
 
 _PLOTS['model'] = _plot_model
+
+# %% ../nbs/06_bench.ipynb #c097
+def predict_sync_seconds(strategy:str, nbytes:float, n:int, busbw_gbs:float) -> float:
+    "Gradient-sync seconds per step from busbw: DDP 2(n-1)/n * bytes / busbw, FSDP 3(n-1)/n * bytes / busbw"
+    if strategy not in ('ddp', 'fsdp'): raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
+    if n < 2: return 0.0
+    return {'ddp': 2, 'fsdp': 3}[strategy] * (n - 1) / n * nbytes / (busbw_gbs * 1e9)
+
+# %% ../nbs/06_bench.ipynb #c101
+def scaling_rank(model_fn, batch, strategy:str='ddp', steps:int=10, warmup:int=3, loss_fn=None, amp=None) -> dict:
+    "Run inside every rank: median step time of `model_fn()` wrapped for `strategy`, and for DDP without gradient sync"
+    from dtnb.launch import current_device, world_size
+    device, n = current_device(), world_size()
+    torch.manual_seed(0)
+    model = model_fn().to(device)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    if n > 1:
+        from dtnb.ddp import wrap
+        model = wrap(model, strategy)
+    x, y = (None if t is None else t.to(device) for t in _split(batch))
+    opt, loss_fn = torch.optim.SGD(model.parameters(), lr=1e-4), loss_fn or default_loss
+    step = lambda i: _train_step(model, opt, loss_fn, x, y, amp, device)
+    synced, local = statistics.median(time_fn(step, device, steps, warmup)), None
+    if n > 1 and strategy == 'ddp':
+        with model.no_sync(): local = statistics.median(time_fn(step, device, steps, warmup))
+    del model, opt, step; gc.collect()
+    return dict(step_s=synced, local_step_s=local, samples=x.shape[0], grad_bytes=grad_bytes)
+
+# %% ../nbs/06_bench.ipynb #c102
+def _busbw_at(given, nbytes, n, timeout):
+    "All-reduce busbw (GB/s) on n ranks for gradients of `nbytes`: given (number or {n: GB/s}), or measured at DDP's bucket size"
+    if isinstance(given, dict): given = given.get(n)
+    if given: return float(given), None
+    size = 2 ** round(math.log2(max(8, min(nbytes, 25 * 2**20))))  # DDP all-reduces 25 MiB buckets
+    r = bench_collectives(['all_reduce'], sizes=[size], nprocs=n, timeout=timeout, progress=False)
+    return r.rows[0]['busbw'], size
+
+def _scaling_row(n, res, base, strategy, bw, bw_size):
+    step = max(r['step_s'] for r in res); thr = sum(r['samples'] for r in res) / step
+    local = [r['local_step_s'] for r in res if r['local_step_s'] is not None]
+    speedup = thr / base['samples_s'] if base else 1.0
+    return dict(ranks=n, samples_s=thr, speedup=speedup, efficiency=100 * speedup * (base['ranks'] if base else n) / n, step_ms=step * 1e3,
+                overhead_ms=(step - max(local)) * 1e3 if local else None, increase_ms=(step * 1e3 - base['step_ms']) if base else 0.0,
+                predicted_ms=predict_sync_seconds(strategy, res[0]['grad_bytes'], n, bw) * 1e3 if bw else None,
+                busbw=bw, busbw_bytes=bw_size, grad_bytes=res[0]['grad_bytes'])
+
+_SCALE_COLS = [('ranks', 'ranks'), ('samples/s', 'samples_s'), ('speed-up', 'speedup'), ('efficiency %', 'efficiency'),
+               ('step ms', 'step_ms'), ('sync overhead ms (vs no_sync)', 'overhead_ms'), ('step increase ms (vs fewest ranks)', 'increase_ms'),
+               ('predicted sync ms', 'predicted_ms'), ('busbw GB/s', 'busbw')]
+
+def bench_scaling(model_fn,                 # builds a fresh model in each rank (a function importable or defined before launch)
+                  batch,                    # one rank's batch: a tensor or an (inputs, targets) pair
+                  nprocs=(1, 2), strategy:str='ddp', steps:int=10, warmup:int=3, loss_fn=None, amp:str|None=None,
+                  busbw:float|dict|None=None,  # all-reduce GB/s ({nprocs: GB/s} or one number); None measures it
+                  timeout:float|None=600, progress:bool=True) -> BenchResult:
+    "Throughput at each number of ranks, scaling efficiency, and sync time predicted from busbw beside the measured overhead"
+    from dtnb.launch import launch
+    predict_sync_seconds(strategy, 0, 1, 1.0)   # checks the strategy
+    nprocs = sorted(set(nprocs))
+    if nprocs[0] < 1: raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    report, rows, base = detect(), [], None
+    cpu = report.recommended['device'] == 'cpu'   # CPU ranks get equal threads, so a rank adds compute as a GPU would
+    threads = max(1, report.host['usable_cores'] // nprocs[-1]) if cpu else None
+    for n in _bar(nprocs, 'scaling', progress):
+        res = launch(scaling_rank, model_fn, batch, strategy, steps, warmup, loss_fn, amp, nprocs=n, timeout=timeout, threads=threads)
+        bw, size = _busbw_at(busbw, res[0]['grad_bytes'], n, timeout) if n > 1 else (None, None)
+        rows.append(_scaling_row(n, res, base, strategy, bw, size)); base = base or rows[0]
+    last = rows[-1]
+    summary = {'strategy': strategy, f'speed-up on {last["ranks"]} ranks': last['speedup'], 'efficiency %': last['efficiency'],
+               'gradient MiB': last['grad_bytes'] / 2**20, 'predicted sync ms': last['predicted_ms'], 'measured sync overhead ms': last['overhead_ms']}
+    cfg = dict(nprocs=nprocs, strategy=strategy, steps=steps, warmup=warmup, amp=amp, batch=list(_split(batch)[0].shape), threads_per_rank=threads)
+    return _result('scaling', rows, _SCALE_COLS, summary, report.recommended['device'], cfg, report=report)
+
+def _plot_scaling(r, ax):
+    n = [x['ranks'] for x in r.rows]; thr = [x['samples_s'] for x in r.rows]
+    ax.plot(n, thr, marker='o', label='measured')
+    ax.plot(n, [thr[0] * k / n[0] for k in n], ls='--', label='linear')
+    ax.set_xlabel('ranks'); ax.set_ylabel('samples/s'); ax.set_xticks(n); ax.legend(fontsize=8)
+
+_PLOTS['scaling'] = _plot_scaling
+
+# %% ../nbs/06_bench.ipynb #c109
+PRICE_EXAMPLES = dict(
+    date='2024-06', unit='USD per GPU-hour, on demand',
+    source=("Lambda GPU Cloud public on-demand list prices (8-GPU instances, per GPU) as published around June 2024, "
+            "recalled, not re-checked; examples only: pass your own prices"),
+    prices={'H100 SXM': 2.99, 'A100 SXM 80GB': 1.79, 'A100 SXM 40GB': 1.29, 'A10': 0.75})
+
+def _samples_per_s(v):
+    "samples/s from a number, a `bench_model` result, or a `bench_scaling` result (its most ranks)"
+    if isinstance(v, BenchResult):
+        if v.kind == 'model': return v.summary['samples/s']
+        if v.kind == 'scaling': return v.rows[-1]['samples_s']
+        raise ValueError(f"A {v.kind!r} result has no throughput: use a 'model' or 'scaling' result or samples/s")
+    return float(v)
+
+# %% ../nbs/06_bench.ipynb #c110
+def cost_per_experiment(throughput:dict,          # setup name -> samples/s (a number, or a model/scaling result)
+                        samples:float,            # samples one experiment processes (epochs x dataset size)
+                        usd_per_hour:dict|None=None,  # setup name -> price per device-hour; default PRICE_EXAMPLES
+                        devices:dict|None=None,   # setup name -> devices it uses (default 1)
+                       ) -> BenchResult:
+    "Hours and dollars for an experiment of `samples` samples on each setup, from its throughput and its price"
+    prices, devices = usd_per_hour or PRICE_EXAMPLES['prices'], devices or {}
+    missing = [k for k in throughput if k not in prices]
+    if missing: raise ValueError(f"No price for {missing}: pass usd_per_hour={{{missing[0]!r}: <USD per device-hour>, ...}}")
+    rows = []
+    for name, v in throughput.items():
+        thr, nd = _samples_per_s(v), devices.get(name, 1)
+        hours = samples / thr / 3600
+        rows.append(dict(setup=name, devices=nd, samples_s=thr, usd_hour=prices[name] * nd, hours=hours, usd=hours * prices[name] * nd))
+    cheapest = min(r['usd'] for r in rows)
+    for r in rows: r['relative'] = r['usd'] / cheapest
+    by = lambda k: min(rows, key=lambda r: r[k])['setup']
+    summary = {'samples per experiment': samples, 'cheapest per hour': by('usd_hour'), 'cheapest per experiment': by('usd'),
+               'fastest': by('hours'), 'prices': 'given' if usd_per_hour else f"{PRICE_EXAMPLES['source']} ({PRICE_EXAMPLES['date']})"}
+    cols = [('setup', 'setup'), ('devices', 'devices'), ('samples/s', 'samples_s'), ('USD/hour', 'usd_hour'), ('hours', 'hours'),
+            ('USD per experiment', 'usd'), ('x cheapest', 'relative')]
+    return _result('cost', rows, cols, summary, '', dict(samples=samples, prices=prices, devices=devices))
+
+def _plot_cost(r, ax):
+    ax.barh([x['setup'] for x in r.rows], [x['usd'] for x in r.rows]); ax.invert_yaxis()
+    ax.set_xlabel(f"USD per experiment ({r.summary['samples per experiment']:.3g} samples)")
+
+_PLOTS['cost'] = _plot_cost
+
+# %% ../nbs/06_bench.ipynb #c118
+BENCHMARKS = ('matmul', 'memory', 'collectives', 'model', 'scaling')
+
+def _demo(device, quick):
+    "The model factory and one rank's batch that `bench_all` trains: a residual MLP sized for the device"
+    from functools import partial
+    from dtnb.models import ToyModel
+    d_in, d, depth, bs = (64, 256, 2, 64) if device.type == 'cpu' else (1024, 4096, 4, 512)
+    if quick: d, bs = d // 2, bs // 2
+    return partial(ToyModel, d_in=d_in, d=d, depth=depth, d_out=d_in), (torch.randn(bs, d_in), torch.randn(bs, d_in))
+
+def _ranks(report):
+    "How many local ranks collectives and scaling use: every accelerator, else 2 CPU ranks where 2 cores are usable"
+    acc = [d for d in report.accelerators if d.type != 'mps']
+    return len(acc) if acc else min(2, report.host['usable_cores'])
+
+# %% ../nbs/06_bench.ipynb #c119
+def _save(r, out):
+    "Write `r` as JSON and PNG into the folder `out`"
+    import matplotlib.pyplot as plt
+    out = Path(out); out.mkdir(parents=True, exist_ok=True)
+    r.save(out / f"{r.kind}.json")
+    ax = r.plot(); ax.figure.tight_layout(); ax.figure.savefig(out / f"{r.kind}.png", dpi=120); plt.close(ax.figure)
+
+def bench_all(quick:bool=False, out=None, only=None, progress:bool=True, print_fn=print) -> list[BenchResult]:
+    "Run the benchmarks that fit this machine, print each, and save JSON and a PNG plot of each in the folder `out`"
+    only = list(only or BENCHMARKS)
+    if bad := [b for b in only if b not in BENCHMARKS]: raise ValueError(f"Unknown benchmark {bad}: choose from {', '.join(BENCHMARKS)}")
+    report = detect(); device, n = _dev(), _ranks(report)
+    make, batch = _demo(device, quick)
+    runs = dict(matmul=lambda: bench_matmul(quick=quick, progress=progress), memory=lambda: bench_memory(quick=quick, progress=progress),
+                collectives=lambda: bench_collectives(nprocs=n, quick=quick, progress=progress),
+                model=lambda: bench_model(make(), batch, matmul_peak=next((r for r in results if r.kind == 'matmul'), None), device=device),
+                scaling=lambda: bench_scaling(make, batch, nprocs=sorted({1, 2, n} if n > 2 else {1, n}), steps=5 if quick else 10, progress=progress))
+    results = []
+    for name in only:
+        if name in ('collectives', 'scaling') and n < 2: print_fn(f"dtnb bench {name}: skipped, one device and one usable core"); continue
+        results.append(runs[name]()); print_fn(str(results[-1]) + '\n')
+        if out is not None: _save(results[-1], out)
+    return results
