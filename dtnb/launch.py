@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/launch.html.md"""
 
 # %% ../nbs/01_launch.ipynb #c002
 from __future__ import annotations
-import os, sys, io, gc, time, signal, socket, tempfile, threading, traceback, atexit, re, shutil, contextlib, datetime
+import os, sys, io, gc, time, signal, socket, tempfile, threading, traceback, atexit, re, shutil, contextlib, datetime, types
 import multiprocessing as mp
 from multiprocessing.connection import wait as _wait
 from .device import parse_launch_env, usable_cores, in_notebook
@@ -51,17 +51,19 @@ def current_device():
     return torch.device(acc, parse_launch_env().local_rank % max(1, torch.accelerator.device_count()))
 
 # %% ../nbs/01_launch.ipynb #c011
-def _store_and_env(env):
-    "The store to rendezvous on: dtnb's file store, the launcher's env:// variables, or an in-process one for 1 rank"
+def _rendezvous(env) -> dict:
+    "How to meet the other ranks: dtnb's file store, an in-process store for one rank, or env:// (torchrun, SLURM, MPI)"
     import torch.distributed as dist
-    if env.get('DTNB_STORE'): return dist.FileStore(env['DTNB_STORE'], int(env['WORLD_SIZE']))
+    if env.get('DTNB_STORE'): return dict(store=dist.FileStore(env['DTNB_STORE'], int(env['WORLD_SIZE'])))
     le = parse_launch_env(env)
-    if le.world_size == 1 and le.launcher in (None, 'env') and not env.get('MASTER_PORT'): return dist.HashStore()
+    if le.world_size == 1 and le.launcher in (None, 'env') and not env.get('MASTER_PORT'): return dict(store=dist.HashStore())
     if not le.master_addr or not le.master_port:
         raise ValueError(f"{le.launcher} started {le.world_size} ranks but MASTER_ADDR/MASTER_PORT are not set: export "
                          "MASTER_ADDR=<first host of the job> MASTER_PORT=<a free port, e.g. 29500> on every rank")
-    return dist.TCPStore(le.master_addr, le.master_port, le.world_size, le.rank == 0,
-                         timeout=datetime.timedelta(seconds=300))
+    # torch's env:// reads these; SLURM and MPI name them differently (torchrun's agent store is reused as is)
+    os.environ.update(RANK=str(le.rank), WORLD_SIZE=str(le.world_size), LOCAL_RANK=str(le.local_rank),
+                      MASTER_ADDR=str(le.master_addr), MASTER_PORT=str(le.master_port))
+    return dict(init_method='env://')
 
 # %% ../nbs/01_launch.ipynb #c012
 def init_distributed(backend:str|None=None, # 'gloo', 'nccl', ...; default from the device
@@ -74,10 +76,9 @@ def init_distributed(backend:str|None=None, # 'gloo', 'nccl', ...; default from 
     backend = check_backend(backend)
     dev = current_device()
     if dev.type not in ('cpu', 'mps'): torch.accelerator.set_device_index(dev.index)
-    store = _store_and_env(os.environ)
-    kw = dict(device_id=dev) if backend == 'nccl' else {}
-    dist.init_process_group(backend, store=store, rank=le.rank, world_size=le.world_size,
-                            timeout=datetime.timedelta(seconds=timeout), **kw)
+    kw = _rendezvous(os.environ)
+    if backend == 'nccl': kw['device_id'] = dev
+    dist.init_process_group(backend, rank=le.rank, world_size=le.world_size, timeout=datetime.timedelta(seconds=timeout), **kw)
     atexit.register(shutdown)
     return dist.group.WORLD
 
@@ -255,7 +256,11 @@ def _start_method(start_method):
 
 # %% ../nbs/01_launch.ipynb #c033
 def _check_args(fn, nprocs):
+    import torch.distributed as dist
     if not callable(fn): raise TypeError(f"launch() needs a function to run on each rank; got {fn!r} ({type(fn).__name__})")
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("This process already belongs to a process group, which forked ranks would inherit: "
+                           "call dtnb.shutdown() (or torch.distributed.destroy_process_group()) before launch()")
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r}: launch needs a whole number of ranks >= 1, e.g. nprocs=2")
 
@@ -394,15 +399,24 @@ def _load(path):
     import pickle
     with open(path, 'rb') as f: return pickle.load(f)
 
-# %% ../nbs/01_launch.ipynb #c056
-_RDZV_OPTS = ('--standalone', '--rdzv-endpoint', '--rdzv_endpoint', '--master-addr', '--master_addr', '--nnodes')
+# %% ../nbs/01_launch.ipynb #c058
+_RDZV_OPTS = ('--standalone', '--rdzv-endpoint', '--rdzv_endpoint', '--master-addr', '--master_addr', '--rdzv-backend', '--rdzv_backend')
 
 def torchrun_command(nprocs:int, script:str, script_args=(), torchrun_args=()) -> tuple[list, dict]:
     "The torchrun command line and extra environment for `dtnb launch -n nprocs script ...`"
     _check_args(print, nprocs)
     cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc-per-node={nprocs}', *torchrun_args]
-    if not any(a.split('=')[0] in _RDZV_OPTS for a in torchrun_args):  # one node on loopback
-        cmd += ['--nnodes=1', '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{free_port()}', '--local-addr=127.0.0.1']
+    given = {a.split('=')[0].replace('_', '-') for a in torchrun_args}
+    if not given & {o.replace('_', '-') for o in _RDZV_OPTS}:  # rendezvous on loopback
+        cmd += ['--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{free_port()}', '--local-addr=127.0.0.1']
+    if '--nnodes' not in given: cmd.append('--nnodes=1')
     env = dict(TORCH_DISABLE_SHARE_RDZV_TCP_STORE='1',  # restarted groups get a fresh store port (gloo restarts)
                OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', str(max(1, usable_cores() // nprocs))))
     return cmd + [script, *script_args], env
+
+# %% ../nbs/01_launch.ipynb #c062
+class _CallableModule(types.ModuleType):
+    "Calling the `dtnb.launch` module calls `dtnb.launch.launch`"
+    def __call__(self, *args, **kwargs): return launch(*args, **kwargs)
+
+if __name__ == 'dtnb.launch': sys.modules[__name__].__class__ = _CallableModule

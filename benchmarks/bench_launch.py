@@ -1,0 +1,102 @@
+"""Launch latency and DDP training speed, side by side in one run. Prints figures; not a test.
+
+Targets (issue 3): dtnb's fork launch ≤ 0.5× accelerate's notebook_launcher (when installed);
+DDP steps/s through dtnb (wrap + distributed_loader + fit) ≥ 0.98× hand-written torch DDP on the same model and data.
+    python benchmarks/bench_launch.py [--repeats 10] [--steps 300]
+"""
+import argparse, statistics, time
+import torch, torch.distributed as dist
+import torch.multiprocessing as tmp
+from dtnb.launch import launch, usable_cores
+
+
+def trivial(*_):
+    t = torch.ones(1); dist.all_reduce(t); return t.item()
+
+
+def _floor_rank(i, store_path):  # start_processes floor: fork + FileStore + one all_reduce, nothing else
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', store=dist.FileStore(store_path, 2), rank=i, world_size=2)
+    t = torch.ones(1); dist.all_reduce(t); dist.barrier()
+    import os; os._exit(0)
+
+
+def median_ms(f, repeats):
+    f()  # warm
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
+    return 1000 * statistics.median(ts)
+
+
+def floor():
+    import tempfile, os
+    d = tempfile.mkdtemp()
+    tmp.start_processes(_floor_rank, args=(os.path.join(d, 's'),), nprocs=2, start_method='fork')
+
+
+def trivial_env():  # under accelerate's launcher the ranks form the group themselves from its env:// variables
+    if not dist.is_initialized(): dist.init_process_group('gloo')
+    t = torch.ones(1); dist.all_reduce(t); dist.destroy_process_group(); return t.item()
+
+
+def accelerate_launch():
+    from accelerate import notebook_launcher
+    notebook_launcher(trivial_env, num_processes=2)
+
+
+# ---------------------------------------------------------------- DDP throughput
+def hand_ddp(steps, batch):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+    from dtnb.models import ToyModel, toy_data
+    torch.manual_seed(0)
+    model = DDP(ToyModel(d=64, depth=4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ds = toy_data(steps * batch)
+    dl = DataLoader(ds, batch_size=batch // dist.get_world_size(), sampler=DistributedSampler(ds, shuffle=False))
+    t = time.perf_counter()
+    for x, y in dl:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+    return time.perf_counter() - t
+
+
+def dtnb_ddp(steps, batch):
+    from dtnb.ddp import wrap, distributed_loader
+    from dtnb.train import fit
+    from dtnb.models import ToyModel, toy_data
+    torch.manual_seed(0)
+    model = wrap(ToyModel(d=64, depth=4), 'ddp')
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    dl = distributed_loader(toy_data(steps * batch), global_batch_size=batch, shuffle=False)
+    return fit(model, dl, opt, progress=False).seconds
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument('--repeats', type=int, default=10); ap.add_argument('--steps', type=int, default=300)
+    ap.add_argument('--rounds', type=int, default=3)
+    a = ap.parse_args()
+    print(f"{usable_cores()} usable cores, torch {torch.__version__}; median of {a.repeats} launches of 2 ranks, warm")
+    rows = [('torch start_processes(fork) + FileStore (floor)', median_ms(floor, a.repeats)),
+            ('dtnb launch, fork', median_ms(lambda: launch(trivial, nprocs=2), a.repeats)),
+            ('dtnb launch, spawn', median_ms(lambda: launch(trivial, nprocs=2, start_method='spawn'), max(3, a.repeats // 3)))]
+    try: rows.append(('accelerate notebook_launcher (fork)', median_ms(accelerate_launch, a.repeats)))
+    except ImportError: rows.append(('accelerate notebook_launcher: not installed', float('nan')))
+    for name, ms in rows: print(f"  {name:<50} {ms:8.1f} ms")
+    acc = dict(rows).get('accelerate notebook_launcher (fork)')
+    if acc: print(f"  dtnb fork / accelerate = {dict(rows)['dtnb launch, fork'] / acc:.2f}   (target <= 0.50)")
+    print(f"\nDDP, 2 ranks, {a.steps} steps of global batch 32, ToyModel(d=64, depth=4); {a.rounds} interleaved rounds")
+    hand, ours = [], []
+    for _ in range(a.rounds):  # interleaved, so machine noise hits both alike
+        hand.append(max(launch(hand_ddp, a.steps, 32, nprocs=2))); ours.append(max(launch(dtnb_ddp, a.steps, 32, nprocs=2)))
+    h, o = statistics.median(hand), statistics.median(ours)
+    print(f"  hand-written torch DDP loop   {a.steps / h:8.1f} steps/s")
+    print(f"  dtnb wrap + loader + fit      {a.steps / o:8.1f} steps/s")
+    print(f"  ratio dtnb / hand-written     {h / o:8.3f}   (target >= 0.98)")
+
+
+if __name__ == '__main__':
+    main()

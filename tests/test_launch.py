@@ -1,0 +1,171 @@
+"""launch from a real Jupyter kernel, torchrun through `dtnb launch`, two nodes on loopback, and clean-up.
+
+Every test checks that no rank process is left behind: checked with psutil, not assumed."""
+import json, os, subprocess, sys, time
+from pathlib import Path
+import pytest, psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+DTNB = str(Path(PY).parent / 'dtnb')
+ENV = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')])}
+
+
+def ranks_left():
+    "Child processes of this test process, less multiprocessing's own helpers and the test kernel"
+    return [c for c in psutil.Process().children(recursive=True)
+            if not any(k in ' '.join(c.cmdline()) for k in ('resource_tracker', 'forkserver', 'ipykernel'))]
+
+
+@pytest.fixture(scope='module')
+def kernel():
+    "A real ipykernel, driven through jupyter_client"
+    from jupyter_client.manager import start_new_kernel
+    km, kc = start_new_kernel(kernel_name='python3', env=ENV, cwd=str(ROOT))
+    yield km, kc
+    kc.stop_channels(); km.shutdown_kernel(now=True)
+
+
+def run(kc, code, timeout=120):
+    "Execute `code` in the kernel; return its stdout and (error name, value) if it raised"
+    msg_id = kc.execute(code)
+    out, err = [], None
+    while True:
+        m = kc.get_iopub_msg(timeout=timeout)
+        if m['parent_header'].get('msg_id') != msg_id: continue
+        t, c = m['msg_type'], m['content']
+        if t == 'stream': out.append(c['text'])
+        elif t == 'error': err = (c['ename'], c['evalue'])
+        elif t == 'status' and c['execution_state'] == 'idle': break
+    return ''.join(out), err
+
+
+def kernel_children(km):
+    return [c for c in psutil.Process(km.provisioner.process.pid).children(recursive=True)
+            if not any(k in ' '.join(c.cmdline()) for k in ('resource_tracker', 'forkserver'))]
+
+
+SETUP = '''
+import torch, torch.distributed as dist, time
+from dtnb.launch import launch, rank, world_size, LaunchError
+def train(k):
+    t = torch.full((2,), float(rank() + 1)); dist.all_reduce(t)
+    print(f"rank {rank()} of {world_size()} sees {t.tolist()}")
+    return t.sum().item() * k
+'''
+
+
+def test_fork_and_spawn_from_a_real_kernel(kernel):
+    km, kc = kernel
+    out, err = run(kc, SETUP + "print(launch(train, 2, nprocs=2))")
+    assert err is None, err
+    assert '[12.0, 12.0]' in out and 'rank 1 of 2 sees [3.0, 3.0]' in out  # children's output shows in the cell
+    out, err = run(kc, "print(launch(train, 3, nprocs=2, start_method='spawn', prefix=True))")
+    assert err is None, err
+    assert '[18.0, 18.0]' in out and '[rank 1] rank 1 of 2 sees' in out
+    out, err = run(kc, "print(launch(train, 4, nprocs=2, start_method='forkserver'))")  # Python 3.14's default on Linux
+    assert err is None, err
+    assert '[24.0, 24.0]' in out
+    assert kernel_children(km) == []
+
+
+def test_rank_error_from_kernel(kernel):
+    km, kc = kernel
+    run(kc, SETUP)
+    code = '''
+def boom():
+    if rank() == 1: raise KeyError("missing shard")
+    dist.barrier()
+t0 = time.monotonic()
+try: launch(boom, nprocs=2)
+except LaunchError as e: print("FAILED", e.failed, "KeyError: 'missing shard'" in str(e), round(time.monotonic() - t0))
+'''
+    out, err = run(kc, code)
+    assert err is None, err
+    failed, has_tb, secs = out.split('FAILED')[1].split(']')[0] + ']', 'True' in out, int(out.split()[-1])
+    assert failed.strip() == '[1' + ']' and has_tb and secs < 20
+    assert kernel_children(km) == []
+
+
+def test_keyboard_interrupt_stops_every_rank(kernel):
+    km, kc = kernel
+    run(kc, SETUP)
+    msg_id = kc.execute("def sleepy():\n    time.sleep(60)\nlaunch(sleepy, nprocs=2)")
+    deadline = time.monotonic() + 30
+    while len(kernel_children(km)) < 2 and time.monotonic() < deadline: time.sleep(0.1)
+    assert len(kernel_children(km)) >= 2
+    km.interrupt_kernel()
+    ename = None
+    while True:
+        m = kc.get_iopub_msg(timeout=30)
+        if m['parent_header'].get('msg_id') != msg_id: continue
+        if m['msg_type'] == 'error': ename = m['content']['ename']
+        if m['msg_type'] == 'status' and m['content']['execution_state'] == 'idle': break
+    assert ename == 'KeyboardInterrupt'
+    deadline = time.monotonic() + 10
+    while kernel_children(km) and time.monotonic() < deadline: time.sleep(0.1)
+    assert kernel_children(km) == []
+
+
+def test_200_launches_in_one_kernel(kernel):
+    km, kc = kernel
+    run(kc, SETUP)
+    code = '''
+import psutil
+def quick(): t = torch.ones(1); dist.all_reduce(t); return t.item()
+t0 = time.monotonic()
+bad = [i for i in range(200) if launch(quick, nprocs=2, timeout=60) != [2.0, 2.0]]
+left = [c for c in psutil.Process().children(recursive=True)
+        if not any(k in ' '.join(c.cmdline()) for k in ('resource_tracker', 'forkserver'))]
+print("DONE", len(bad), len(left), round(time.monotonic() - t0, 1))
+'''
+    out, err = run(kc, code, timeout=300)
+    assert err is None, err
+    _, nbad, nleft, secs = out.split('DONE')[1].split()[:1] + out.split('DONE')[1].split()
+    assert (int(nbad), int(nleft)) == (0, 0), out
+
+
+def test_dtnb_launch_trains_and_equals_one_process():
+    one = subprocess.run([PY, 'examples/train.py', '--steps', '6'], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([DTNB, 'launch', '-n', '2', 'examples/train.py', '--steps', '6'], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=180)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = json.loads(one.stdout.strip().splitlines()[-1]), json.loads(two.stdout.strip().splitlines()[-1])
+    assert (a['world_size'], b['world_size']) == (1, 2)
+    assert b['losses'] == pytest.approx(a['losses'], abs=1e-5)
+    assert b['checksum'] == pytest.approx(a['checksum'], abs=1e-4)
+    assert b['losses'][-1] < b['losses'][0]
+
+
+def test_two_nodes_on_loopback():
+    from dtnb.launch import free_port
+    port = free_port()
+    node = lambda i: subprocess.Popen(
+        [DTNB, 'launch', '-n', '1', '--nnodes=2', f'--node-rank={i}', '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{port}',
+         '--rdzv-id=twonode', '--local-addr=127.0.0.1', 'examples/train.py', '--steps', '3'],
+        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [node(0), node(1)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    results = [json.loads(l) for o, _ in outs for l in o.splitlines() if l.startswith('{')]
+    assert len(results) == 1 and results[0]['world_size'] == 2 and results[0]['steps'] == 3
+
+
+def test_cli_launch_bad_input_is_fast():
+    t = time.monotonic()
+    r = subprocess.run([DTNB, 'launch', '-n', '0', 'examples/train.py'], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "nprocs=0: launch needs a whole number of ranks >= 1" in r.stderr
+    r = subprocess.run([DTNB, 'launch', '-n', '2', 'missing.py'], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "script 'missing.py' not found" in r.stderr
+    assert time.monotonic() - t < 20
+
+
+def test_launch_in_process_leaves_nothing():
+    from dtnb.launch import launch, LaunchError
+    import torch.distributed as dist, torch
+    def f(): return dist.get_world_size()
+    assert launch(f, nprocs=3) == [3, 3, 3]
+    with pytest.raises(LaunchError, match=r"did not finish within timeout=2s"):
+        launch(time.sleep, 30, nprocs=2, timeout=2)
+    assert ranks_left() == []
