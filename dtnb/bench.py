@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/bench.html.md"""
 
 # %% ../nbs/06_bench.ipynb #c002
 from __future__ import annotations
-import re, gc, glob, json, math, time, datetime, contextlib, statistics
+import re, gc, glob, json, math, time, datetime, contextlib, statistics, importlib.util
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 import torch
@@ -694,6 +694,8 @@ def bench_scaling(model_fn,                 # builds a fresh model in each rank 
     "Throughput at each number of ranks, scaling efficiency, and sync time predicted from busbw beside the measured overhead"
     from dtnb.launch import launch
     predict_sync_seconds(strategy, 0, 1, 1.0)   # checks the strategy
+    if strategy == 'fsdp' and importlib.util.find_spec('dtnb.fsdp') is None:
+        raise ValueError("strategy='fsdp' needs dtnb.fsdp, which this installation of dtnb does not have: use strategy='ddp'")
     nprocs = sorted(set(nprocs))
     if nprocs[0] < 1: raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     report, rows, base = detect(), [], None
