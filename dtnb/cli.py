@@ -79,7 +79,21 @@ def _add_plan(sub):
     p.add_argument('--json', action='store_true', help="print as JSON")
     p.set_defaults(func=_plan)
 
-# %% ../nbs/10_cli.ipynb #c012
+# %% ../nbs/10_cli.ipynb #c013
+def _bench(args):
+    from dtnb.bench import bench_all
+    bench_all(quick=args.quick, out=args.out, only=args.only)
+    return 0
+
+def _add_bench(sub):
+    b = sub.add_parser('bench', help="measure this machine: matmul, memory, collectives, model throughput, scaling")
+    b.add_argument('--quick', action='store_true', help="small sizes (about 20 s on a 2-core CPU)")
+    b.add_argument('--out', metavar='DIR', help="save each result as DIR/<kind>.json and DIR/<kind>.png")
+    b.add_argument('--only', nargs='+', metavar='NAME', choices=['matmul', 'memory', 'collectives', 'model', 'scaling'],
+                   help="run only these benchmarks")
+    b.set_defaults(func=_bench)
+
+# %% ../nbs/10_cli.ipynb #c014
 def parser() -> argparse.ArgumentParser:
     "The `dtnb` command-line parser with all its subcommands"
     p = argparse.ArgumentParser(prog='dtnb', description="Take PyTorch training from one device to many.")
@@ -94,6 +108,7 @@ def parser() -> argparse.ArgumentParser:
     l.add_argument('rest', nargs=argparse.REMAINDER, help="torchrun options, then the script and its arguments")
     l.set_defaults(func=_launch)
     _add_plan(sub)
+    _add_bench(sub)
     r = sub.add_parser('report', help="run the whole report on this machine: devices, strategies, loader, benchmarks")
     r.add_argument('--out', default='dtnb-report', help="folder for report.md, report.html, results.json and plots")
     r.add_argument('--quick', action='store_true', help="small sizes: under 3 minutes on 2 CPU cores")
@@ -102,7 +117,7 @@ def parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_report)
     return p
 
-# %% ../nbs/10_cli.ipynb #c013
+# %% ../nbs/10_cli.ipynb #c015
 def main(argv:list[str]|None=None) -> int:
     "Entry point of the `dtnb` command (`argv=None` reads `sys.argv` and turns bad input into a one-line error)"
     p = parser()
