@@ -214,7 +214,8 @@ def _pull(loader, n, progress=None, desc='profile_loader'):
     "Pull up to `n` batches: (time of `iter`, arrival time of each batch, samples and bytes of each batch)"
     run, owned = _guarded(loader)
     bar, arrivals, sizes, nbytes = _progress(n, desc, progress), [], [], []
-    t0 = time.perf_counter(); it = iter(run)
+    t0, ok = time.perf_counter(), False
+    it = iter(run)
     try:
         for _ in range(n):
             try: b = next(it)
@@ -222,11 +223,11 @@ def _pull(loader, n, progress=None, desc='profile_loader'):
             arrivals.append(time.perf_counter())
             s, nb = _batch_stats(b); sizes.append(s); nbytes.append(nb)
             if bar is not None: bar.update()
-    except Exception as e:
-        _close(it, run); raise (_sample_error(e) or e) from e
+        ok = True
+    except Exception as e: raise (_sample_error(e) or e) from e
     finally:
         if bar is not None: bar.close()
-    if owned or not _dataloader(run).persistent_workers: _close(it, run)
+        if not ok or owned or not _dataloader(run).persistent_workers: _close(it, run)  # a user's persistent workers stay
     if not arrivals: raise _empty_error(loader)
     return t0, arrivals, sizes, nbytes
 
@@ -371,10 +372,8 @@ class StepTimer:
                     _close(it, run); it = iter(run); continue  # next epoch: its start-up lands in the next 'data' phase
                 got += 1
                 yield b
-        except Exception as e:
-            _close(it, run)
-            raise (_sample_error(e) or e) from e
-        _close(it, run)
+        except Exception as e: raise (_sample_error(e) or e) from e
+        finally: _close(it, run)  # also when the loop using it stops early (close() the generator)
 
     def profile(self, warmup:int=0, threshold:float=0.1) -> StepProfile:
         "The steps timed so far, the first `warmup` left out of the verdict"
@@ -466,12 +465,14 @@ def input_bound(train_step, loader, n_steps:int=20,
         warmup = max(2, dl.num_workers * (dl.prefetch_factor or 0) if isinstance(dl, DataLoader) else 0)
     timer = StepTimer(device)
     nb, bar = bool(getattr(loader, 'pin_memory', False)), _progress(warmup + n_steps, 'input_bound', progress)
+    batches = timer.iterate(loader, warmup + n_steps)
     try:
-        for batch in timer.iterate(loader, warmup + n_steps):
+        for batch in batches:
             with timer.phase('h2d'): batch = move(batch, timer.device, nb)
             with timer.phase('compute'): train_step(batch)
             if bar is not None: bar.update()
     finally:
+        batches.close()  # a failing step stops the workers now, not when its traceback is freed
         if bar is not None: bar.close()
     p = timer.profile(warmup, threshold)
     if gather is None:
@@ -709,7 +710,7 @@ def _advice(cost, limits, base, best, trials, epoch_batches, bigger=None) -> lis
                    f"{bigger.samples_per_s / best.samples_per_s:.1f}× the samples/s with the same setting")
     return out
 
-# %% ../nbs/05_data.ipynb #c092
+# %% ../nbs/05_data.ipynb #c095
 @dataclass
 class TuneResult:
     "The fastest DataLoader setting found, every trial, and advice"
@@ -753,7 +754,7 @@ class TuneResult:
         fig.tight_layout()
         return fig
 
-# %% ../nbs/05_data.ipynb #c094
+# %% ../nbs/05_data.ipynb #c097
 def _check_tune_args(dataset, batch_size, loader_kwargs):
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive whole number of samples per batch, e.g. batch_size=32")
@@ -762,7 +763,7 @@ def _check_tune_args(dataset, batch_size, loader_kwargs):
     if not isinstance(dataset, (Dataset, IterableDataset)) and not hasattr(dataset, '__getitem__'):
         raise TypeError(f"dataset must be a map-style or iterable torch Dataset, got {type(dataset).__name__}")
 
-# %% ../nbs/05_data.ipynb #c095
+# %% ../nbs/05_data.ipynb #c098
 def tune_loader(dataset, batch_size:int, *, max_workers:int|None=None, trial_s:float=1.0, time_budget:float|None=None,
                 min_gain:float=0.05, search:str='smart', progress:bool|None=None, **loader_kwargs) -> TuneResult:
     "Find the fastest DataLoader setting for `dataset` and `batch_size` (other DataLoader arguments in `loader_kwargs`)"
@@ -794,7 +795,7 @@ def tune_loader(dataset, batch_size:int, *, max_workers:int|None=None, trial_s:f
     kwargs = dict(batch_size=batch_size, **best.settings, **loader_kwargs)
     return TuneResult(kwargs, best, base, trials, cost, limits, adv, time.perf_counter() - t_start, search, stopped)
 
-# %% ../nbs/05_data.ipynb #c105
+# %% ../nbs/05_data.ipynb #c108
 @dataclass
 class RankStepProfiles:
     "Every rank's `StepProfile`; the verdict is the rank that waits longest for data"
@@ -832,7 +833,7 @@ def gather_step_profiles(profile:StepProfile, group=None) -> RankStepProfiles:
     dist.all_gather_object(out, asdict(profile), group=group)
     return RankStepProfiles([StepProfile(**{**d, 'rank': r}) for r, d in enumerate(out)])
 
-# %% ../nbs/05_data.ipynb #c113
+# %% ../nbs/05_data.ipynb #c116
 def _toy_step(shape, n_classes=10):
     "A training step for (image, label) batches: a small MLP with SGD"
     import torch.nn as nn
@@ -843,7 +844,7 @@ def _toy_step(shape, n_classes=10):
         nn.functional.cross_entropy(model(x), y).backward(); opt.step(); opt.zero_grad()
     return step
 
-# %% ../nbs/05_data.ipynb #c114
+# %% ../nbs/05_data.ipynb #c117
 @dataclass
 class LoaderReport:
     "Verdict with the loader as given, the fastest setting found, and the verdict with that setting"
