@@ -204,7 +204,8 @@ def _progress(total, desc, progress):
     return tqdm(total=total, desc=desc, leave=False)
 
 def _empty_error(loader):
-    n = len(loader.dataset) if hasattr(loader.dataset, '__len__') else None
+    ds = getattr(loader, 'dataset', None)
+    n = len(ds) if hasattr(ds, '__len__') else None
     why = ("its dataset is empty (len 0)" if n == 0 else
            f"drop_last=True drops all {n} samples (fewer than batch_size={loader.batch_size})" if n else "its dataset yielded nothing")
     return ValueError(f"The loader yielded no batches: {why}. Give it a dataset with at least one batch of samples.")
