@@ -4,6 +4,20 @@ __version__ = "0.1.0"
 # submodules load only when the feature that needs them runs). Hand-written: nbdev only updates `__version__`.
 _API = {
     'detect': 'device', 'DeviceReport': 'device', 'parse_launch_env': 'device', 'LaunchEnv': 'device',
+    'ToyModel': 'models', 'toy_data': 'models', 'toy_sequences': 'models',
+    'launch': 'launch', 'LaunchError': 'launch', 'init_distributed': 'launch', 'shutdown': 'launch', 'rank': 'launch',
+    'world_size': 'launch', 'local_rank': 'launch', 'is_main': 'launch', 'barrier': 'launch', 'rank0_first': 'launch',
+    'current_device': 'launch',
+    'wrap': 'ddp', 'distributed_loader': 'ddp',
+    'fit': 'train', 'FitResult': 'train',
+    'estimate_memory': 'memory', 'recommend': 'memory', 'measure_memory': 'memory', 'trace_activations': 'memory',
+    'memory_explorer': 'memory', 'TransformerShape': 'memory', 'MemoryEstimate': 'memory', 'MemoryPlan': 'memory',
+    'MemoryMeasurement': 'memory',
+    'report': 'report',
+    'pipeline': 'pipeline', 'Pipeline': 'pipeline', 'split_model': 'pipeline', 'PipelineSplit': 'pipeline',
+    'PipelineTimeline': 'pipeline', 'PipelineTimelines': 'pipeline', 'simulate_schedule': 'pipeline',
+    'schedule_order': 'pipeline', 'bubble_fraction': 'pipeline',
+    'Degrees': 'parallel', 'parallelize': 'parallel', 'tp_plan': 'parallel', 'apply_tp': 'parallel', 'data_rank': 'parallel',
 }
 
 def __getattr__(name):
