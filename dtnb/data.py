@@ -14,9 +14,9 @@ from .device import md_table, text_table, usable_cores, parse_launch_env, in_not
 
 # %% auto #0
 __all__ = ['burn_cpu', 'SyntheticDataset', 'SyntheticIterable', 'SampleError', 'guard', 'LoaderProfile', 'profile_loader',
-           'default_device', 'synchronize', 'to_device', 'StepTimer', 'StepProfile', 'input_bound', 'SampleCost',
-           'measure_sample_cost', 'worker_limits', 'LoaderTrial', 'loader_trial', 'TuneResult', 'tune_loader',
-           'RankStepProfiles', 'gather_step_profiles', 'LoaderReport', 'loader_report']
+           'default_device', 'synchronize', 'to_device', 'StepTimer', 'StepProfile', 'RankStepProfiles',
+           'gather_step_profiles', 'input_bound', 'SampleCost', 'measure_sample_cost', 'worker_limits', 'LoaderTrial',
+           'loader_trial', 'TuneResult', 'tune_loader', 'LoaderReport', 'loader_report']
 
 # %% ../nbs/05_data.ipynb #c006
 def _spin(n:int) -> int:
@@ -452,6 +452,44 @@ class StepProfile:
         return _plot_steps([self], ax)
 
 # %% ../nbs/05_data.ipynb #c058
+@dataclass
+class RankStepProfiles:
+    "Every rank's `StepProfile`; the verdict is the rank that waits longest for data"
+    profiles: list
+
+    @property
+    def slowest(self) -> StepProfile:
+        "The rank whose steps wait longest for data (the others wait for it in collectives)"
+        return max(self.profiles, key=lambda p: p.mean('data'))
+    @property
+    def input_bound(self): return self.slowest.input_bound
+    @property
+    def speedup_needed(self): return self.slowest.speedup_needed
+    @property
+    def verdict(self) -> str:
+        s = self.slowest
+        if not s.input_bound: return f"compute-bound on all {len(self.profiles)} ranks: at most {s.fraction('data'):.0%} of step time waiting for data (rank {s.rank})"
+        return f"rank {s.rank} is {s.verdict} (the other ranks wait for it in the gradient all-reduce)"
+
+    def rows(self): return [(str(p.rank) + (' (slowest)' if p is self.slowest else ''), *_step_row(p), p.verdict.split(':')[0]) for p in self.profiles]
+    _cols = ('rank',) + _STEP_COLS + ('verdict',)
+    def to_dict(self): return dict(verdict=self.verdict, slowest=self.slowest.rank, input_bound=self.input_bound, ranks=[p.to_dict() for p in self.profiles])
+    def _repr_markdown_(self): return f"**{self.verdict}**\n\n" + md_table(self._cols, self.rows())
+    def __str__(self): return f"{self.verdict}\n{text_table(self._cols, self.rows())}"
+    def plot(self):
+        "Every step of every rank, phases stacked"
+        return _plot_steps(self.profiles)
+
+def gather_step_profiles(profile:StepProfile, group=None) -> RankStepProfiles:
+    "Every rank's `profile` (a collective: call it on all ranks), each tagged with its rank"
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return RankStepProfiles([StepProfile(**{**asdict(profile), 'rank': 0})])
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, asdict(profile), group=group)
+    return RankStepProfiles([StepProfile(**{**d, 'rank': r}) for r, d in enumerate(out)])
+
+# %% ../nbs/05_data.ipynb #c063
 def input_bound(train_step, loader, n_steps:int=20,
                 warmup:int|None=None, # steps left out of the verdict; default: 2, or the batches that can queue up at start if more
                 device=None, threshold:float=0.1,
@@ -481,7 +519,7 @@ def input_bound(train_step, loader, n_steps:int=20,
         gather = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     return gather_step_profiles(p) if gather else p
 
-# %% ../nbs/05_data.ipynb #c069
+# %% ../nbs/05_data.ipynb #c074
 @dataclass
 class SampleCost:
     "What fetching one sample costs in this process"
@@ -513,7 +551,7 @@ def measure_sample_cost(dataset, n:int=16, collate_fn=None) -> SampleCost:
     if not got: raise ValueError("The dataset yielded no samples: there is nothing to load")
     return SampleCost(wall / len(got) * 1e3, cpu / len(got) * 1e3, _batch_stats((collate_fn or default_collate)(got))[1] // len(got), len(got))
 
-# %% ../nbs/05_data.ipynb #c073
+# %% ../nbs/05_data.ipynb #c078
 def _local_ranks() -> int:
     "Ranks of this job on this machine (1 outside DDP)"
     n = parse_launch_env().local_world_size
@@ -535,7 +573,7 @@ def worker_limits(cost:SampleCost, batch_size:int, max_workers:int|None=None, pr
     if max_workers is not None: cap, why = max_workers, "max_workers"
     return dict(cores=cores, local_ranks=ranks, cores_per_rank=per_rank, shm_free=shm, batch_bytes=batch_bytes, max_workers=cap, why=why)
 
-# %% ../nbs/05_data.ipynb #c077
+# %% ../nbs/05_data.ipynb #c082
 _SEARCHED = ('num_workers', 'prefetch_factor', 'persistent_workers', 'pin_memory', 'in_order')
 
 @dataclass
@@ -558,7 +596,7 @@ class LoaderTrial:
 
 _TRIAL_COLS = ('stage', 'setting', 'samples/s', 'steady', 'first ms', 'restart ms', 'trial s')
 
-# %% ../nbs/05_data.ipynb #c078
+# %% ../nbs/05_data.ipynb #c083
 def _timed_epochs(dl, trial_s):
     "Run `dl` for about `trial_s` s (10× at most): per epoch, batch arrival times from its `iter()`, samples, and whether it ended"
     epochs, t0, it = [], time.perf_counter(), None
@@ -585,7 +623,7 @@ def _timed_epochs(dl, trial_s):
         if it is not None: _close(it, dl)
     return epochs, skip, time.perf_counter() - t0
 
-# %% ../nbs/05_data.ipynb #c080
+# %% ../nbs/05_data.ipynb #c085
 def _steady(epochs, skip):
     "(batches/s, samples per batch) after the start-up queue, from the longest epoch"
     e = max(epochs, key=lambda e: len(e['t']))
@@ -605,7 +643,7 @@ def _epoch_s(epochs, rate, n_batches, persistent):
     if persistent and len(epochs) > 1: t += epochs[1]['t'][0] - e['t'][0]  # later epochs restart instead of starting
     return t, None
 
-# %% ../nbs/05_data.ipynb #c081
+# %% ../nbs/05_data.ipynb #c086
 def loader_trial(dataset, batch_size:int, trial_s:float=1.0, stage:str='', **kwargs) -> LoaderTrial:
     "Time a DataLoader over `dataset` with `kwargs` for about `trial_s` seconds"
     with warnings.catch_warnings():  # more workers than cores, pin_memory without an accelerator: tried on purpose
@@ -623,7 +661,7 @@ def loader_trial(dataset, batch_size:int, trial_s:float=1.0, stage:str='', **kwa
     return LoaderTrial(s, score, steady, epochs[0]['t'][0], statistics.median(restarts) if restarts else None,
                        sum(len(e['t']) for e in epochs), wall, stage, batch_size)
 
-# %% ../nbs/05_data.ipynb #c085
+# %% ../nbs/05_data.ipynb #c090
 class _OutOfTime(Exception): pass
 
 def _options(has_acc):
@@ -677,7 +715,7 @@ def _grid(run, cap, has_acc):
             if t.samples_per_s > best.samples_per_s: best = t
     return best
 
-# %% ../nbs/05_data.ipynb #c090
+# %% ../nbs/05_data.ipynb #c095
 def _advice(cost, limits, base, best, trials, epoch_batches, bigger=None) -> list:
     "Advice for what settings cannot fix, from the measurements"
     out, w = [], best.settings.get('num_workers', 0)
@@ -711,7 +749,7 @@ def _advice(cost, limits, base, best, trials, epoch_batches, bigger=None) -> lis
                    f"{bigger.samples_per_s / best.samples_per_s:.1f}× the samples/s with the same setting")
     return out
 
-# %% ../nbs/05_data.ipynb #c095
+# %% ../nbs/05_data.ipynb #c100
 @dataclass
 class TuneResult:
     "The fastest DataLoader setting found, every trial, and advice"
@@ -755,7 +793,7 @@ class TuneResult:
         fig.tight_layout()
         return fig
 
-# %% ../nbs/05_data.ipynb #c097
+# %% ../nbs/05_data.ipynb #c102
 def _check_tune_args(dataset, batch_size, loader_kwargs):
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive whole number of samples per batch, e.g. batch_size=32")
@@ -764,7 +802,7 @@ def _check_tune_args(dataset, batch_size, loader_kwargs):
     if not isinstance(dataset, (Dataset, IterableDataset)) and not hasattr(dataset, '__getitem__'):
         raise TypeError(f"dataset must be a map-style or iterable torch Dataset, got {type(dataset).__name__}")
 
-# %% ../nbs/05_data.ipynb #c098
+# %% ../nbs/05_data.ipynb #c103
 def tune_loader(dataset, batch_size:int, *, max_workers:int|None=None, trial_s:float=1.0, time_budget:float|None=None,
                 min_gain:float=0.05, search:str='smart', progress:bool|None=None, **loader_kwargs) -> TuneResult:
     "Find the fastest DataLoader setting for `dataset` and `batch_size` (other DataLoader arguments in `loader_kwargs`)"
@@ -795,44 +833,6 @@ def tune_loader(dataset, batch_size:int, *, max_workers:int|None=None, trial_s:f
     adv = _advice(cost, limits, base, best, trials, epoch_batches, bigger)
     kwargs = dict(batch_size=batch_size, **best.settings, **loader_kwargs)
     return TuneResult(kwargs, best, base, trials, cost, limits, adv, time.perf_counter() - t_start, search, stopped)
-
-# %% ../nbs/05_data.ipynb #c108
-@dataclass
-class RankStepProfiles:
-    "Every rank's `StepProfile`; the verdict is the rank that waits longest for data"
-    profiles: list
-
-    @property
-    def slowest(self) -> StepProfile:
-        "The rank whose steps wait longest for data (the others wait for it in collectives)"
-        return max(self.profiles, key=lambda p: p.mean('data'))
-    @property
-    def input_bound(self): return self.slowest.input_bound
-    @property
-    def speedup_needed(self): return self.slowest.speedup_needed
-    @property
-    def verdict(self) -> str:
-        s = self.slowest
-        if not s.input_bound: return f"compute-bound on all {len(self.profiles)} ranks: at most {s.fraction('data'):.0%} of step time waiting for data (rank {s.rank})"
-        return f"rank {s.rank} is {s.verdict} (the other ranks wait for it in the gradient all-reduce)"
-
-    def rows(self): return [(str(p.rank) + (' (slowest)' if p is self.slowest else ''), *_step_row(p), p.verdict.split(':')[0]) for p in self.profiles]
-    _cols = ('rank',) + _STEP_COLS + ('verdict',)
-    def to_dict(self): return dict(verdict=self.verdict, slowest=self.slowest.rank, input_bound=self.input_bound, ranks=[p.to_dict() for p in self.profiles])
-    def _repr_markdown_(self): return f"**{self.verdict}**\n\n" + md_table(self._cols, self.rows())
-    def __str__(self): return f"{self.verdict}\n{text_table(self._cols, self.rows())}"
-    def plot(self):
-        "Every step of every rank, phases stacked"
-        return _plot_steps(self.profiles)
-
-def gather_step_profiles(profile:StepProfile, group=None) -> RankStepProfiles:
-    "Every rank's `profile` (a collective: call it on all ranks), each tagged with its rank"
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
-        return RankStepProfiles([StepProfile(**{**asdict(profile), 'rank': 0})])
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, asdict(profile), group=group)
-    return RankStepProfiles([StepProfile(**{**d, 'rank': r}) for r, d in enumerate(out)])
 
 # %% ../nbs/05_data.ipynb #c116
 def _toy_step(shape, n_classes=10):
