@@ -304,7 +304,11 @@ def _startup_advice(settings, first_batch_s, batch_s, epoch_batches=None):
             f"({per_epoch}); set persistent_workers=True to pay it once"]
 
 # %% ../nbs/05_data.ipynb #c032
-def profile_loader(loader:DataLoader, n_batches:int=50, warmup:int|None=None, progress:bool|None=None) -> LoaderProfile:
+def profile_loader(loader:DataLoader,      # a DataLoader, or a wrapper holding one as `.loader`
+                   n_batches:int=50,        # batches timed after the warm-up
+                   warmup:int|None=None,    # batches after the first left out; default num_workers × prefetch_factor
+                   progress:bool|None=None, # progress bar; default: in a notebook or a terminal
+                  ) -> LoaderProfile:
     "Time `n_batches` batches of `loader` after the first one and `warmup` more (default: as many as can queue up at start)"
     if n_batches < 1: raise ValueError(f"n_batches={n_batches} must be >= 1")
     dl = _dataloader(loader)
@@ -490,12 +494,15 @@ def gather_step_profiles(profile:StepProfile, group=None) -> RankStepProfiles:
     return RankStepProfiles([StepProfile(**{**d, 'rank': r}) for r, d in enumerate(out)])
 
 # %% ../nbs/05_data.ipynb #c063
-def input_bound(train_step, loader, n_steps:int=20,
-                warmup:int|None=None, # steps left out of the verdict; default: 2, or the batches that can queue up at start if more
-                device=None, threshold:float=0.1,
-                move=to_device,  # move(batch, device, non_blocking) puts a batch on the device
-                progress:bool|None=None,
-                gather:bool|None=None, # every rank's profile (default: when torch.distributed is initialised)
+def input_bound(train_step,                   # train_step(batch): forward, backward and optimizer step on one batch
+                loader,                       # a DataLoader (or any iterable of batches)
+                n_steps:int=20,               # steps in the verdict
+                warmup:int|None=None,         # steps left out; default max(2, num_workers × prefetch_factor)
+                device=None,                  # default: this process's accelerator, else the CPU
+                threshold:float=0.1,          # waiting this fraction of the step or more is input-bound
+                move=to_device,               # move(batch, device, non_blocking) puts a batch on the device
+                progress:bool|None=None,      # progress bar; default: in a notebook or a terminal
+                gather:bool|None=None,        # every rank's profile; default: when torch.distributed is initialised
                ) -> StepProfile|RankStepProfiles:
     "Time `n_steps` real training steps after `warmup` and say whether they wait for data ('input-bound') or not"
     if n_steps < 1: raise ValueError(f"n_steps={n_steps} must be >= 1")
@@ -644,7 +651,10 @@ def _epoch_s(epochs, rate, n_batches, persistent):
     return t, None
 
 # %% ../nbs/05_data.ipynb #c086
-def loader_trial(dataset, batch_size:int, trial_s:float=1.0, stage:str='', **kwargs) -> LoaderTrial:
+def loader_trial(dataset, batch_size:int,
+                 trial_s:float=1.0, # about this many seconds (at least 3 steady batches, at most 10 × trial_s)
+                 stage:str='',      # label in tune_loader's table
+                 **kwargs) -> LoaderTrial: # DataLoader arguments
     "Time a DataLoader over `dataset` with `kwargs` for about `trial_s` seconds"
     with warnings.catch_warnings():  # more workers than cores, pin_memory without an accelerator: tried on purpose
         warnings.filterwarnings('ignore', message='.*(worker processes in total|pin_memory).*')
@@ -803,8 +813,15 @@ def _check_tune_args(dataset, batch_size, loader_kwargs):
         raise TypeError(f"dataset must be a map-style or iterable torch Dataset, got {type(dataset).__name__}")
 
 # %% ../nbs/05_data.ipynb #c103
-def tune_loader(dataset, batch_size:int, *, max_workers:int|None=None, trial_s:float=1.0, time_budget:float|None=None,
-                min_gain:float=0.05, search:str='smart', progress:bool|None=None, **loader_kwargs) -> TuneResult:
+def tune_loader(dataset,                       # map-style or iterable Dataset
+                batch_size:int,                # samples per batch (per rank under DDP)
+                *, max_workers:int|None=None,  # most workers to try; default from cores per rank, sample kind, /dev/shm
+                trial_s:float=1.0,             # seconds per trial (longer: steadier figures)
+                time_budget:float|None=None,   # stop searching after this many seconds, keeping the best so far
+                min_gain:float=0.05,           # a setting must beat the best by this fraction to replace it
+                search:str='smart',            # 'smart' (coarse to fine) or 'grid' (every combination)
+                progress:bool|None=None,       # progress bar; default: in a notebook or a terminal
+                **loader_kwargs) -> TuneResult: # other DataLoader arguments, used in every trial
     "Find the fastest DataLoader setting for `dataset` and `batch_size` (other DataLoader arguments in `loader_kwargs`)"
     _check_tune_args(dataset, batch_size, loader_kwargs)
     if search not in ('smart', 'grid'): raise ValueError(f"search={search!r} must be 'smart' or 'grid'")
@@ -862,8 +879,13 @@ class LoaderReport:
     def _repr_markdown_(self): return md_table(('loader report', ''), self.rows())
     def __str__(self): return '\n'.join(f"{k:>8}: {v}" for k, v in self.rows()) + f"\n\n{self.tuning}"
 
-def loader_report(dataset=None, batch_size:int=32, train_step=None, n_steps:int|None=None, quick:bool=False,
-                  progress:bool|None=None, **loader_kwargs) -> LoaderReport:
+def loader_report(dataset=None,             # default: the CPU-bound synthetic set (2 ms per sample)
+                  batch_size:int=32,
+                  train_step=None,          # train_step(batch) on the device; default: a small MLP (synthetic sets only)
+                  n_steps:int|None=None,    # steps per verdict; default 30 (10 when quick)
+                  quick:bool=False,         # short trials (0.3 s) and verdicts: seconds instead of a minute
+                  progress:bool|None=None,
+                  **loader_kwargs) -> LoaderReport: # the loader as given (num_workers=... included)
     "Is training input-bound with `DataLoader(dataset, batch_size, **loader_kwargs)`? Tune it and give the verdict again"
     if dataset is None: dataset = SyntheticDataset(1024 if quick else 4096, cost_ms=2, mode='cpu')
     if train_step is None:
