@@ -22,6 +22,8 @@ def test_report_quick_writes_everything(tmp_path):
     assert '<table>' in (tmp_path / 'report.html').read_text()
     for line in (tmp_path / 'report.md').read_text().splitlines():  # every plot the report names exists
         if line.startswith('!['): assert (tmp_path / line.split('(')[1].rstrip(')')).exists(), line
+    loader = res['sections']['Data loader: input-bound?']
+    assert loader['error'] is None and loader['data']
     bench = res['sections']['Benchmarks']['data']
     assert {'matmul', 'memory', 'collectives', 'model', 'scaling'} <= set(bench)
     assert bench['collectives']['rows'] and all(r['wrong'] == 0 for r in bench['collectives']['rows'])
