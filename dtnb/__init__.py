@@ -17,6 +17,11 @@ _API = {
     'pipeline': 'pipeline', 'Pipeline': 'pipeline', 'split_model': 'pipeline', 'PipelineSplit': 'pipeline',
     'PipelineTimeline': 'pipeline', 'PipelineTimelines': 'pipeline', 'simulate_schedule': 'pipeline',
     'schedule_order': 'pipeline', 'bubble_fraction': 'pipeline',
+    'bench_matmul': 'bench', 'bench_memory': 'bench', 'bench_collectives': 'bench', 'bench_model': 'bench',
+    'bench_scaling': 'bench', 'bench_all': 'bench', 'cost_per_experiment': 'bench', 'BenchResult': 'bench', 'time_fn': 'bench',
+    'full_state_dict': 'fsdp', 'check_optimizer': 'fsdp', 'find_blocks': 'fsdp',
+    'profile_loader': 'data', 'input_bound': 'data', 'tune_loader': 'data', 'loader_report': 'data',
+    'SyntheticDataset': 'data', 'StepTimer': 'data',
     'Degrees': 'parallel', 'parallelize': 'parallel', 'tp_plan': 'parallel', 'apply_tp': 'parallel', 'data_rank': 'parallel',
 }
 

@@ -79,7 +79,38 @@ def _add_plan(sub):
     p.add_argument('--json', action='store_true', help="print as JSON")
     p.set_defaults(func=_plan)
 
-# %% ../nbs/10_cli.ipynb #c012
+# %% ../nbs/10_cli.ipynb #c013
+def _bench(args):
+    from dtnb.bench import bench_all
+    bench_all(quick=args.quick, out=args.out, only=args.only)
+    return 0
+
+def _add_bench(sub):
+    b = sub.add_parser('bench', help="measure this machine: matmul, memory, collectives, model throughput, scaling")
+    b.add_argument('--quick', action='store_true', help="small sizes (about 20 s on a 2-core CPU)")
+    b.add_argument('--out', metavar='DIR', help="save each result as DIR/<kind>.json and DIR/<kind>.png")
+    b.add_argument('--only', nargs='+', metavar='NAME', choices=['matmul', 'memory', 'collectives', 'model', 'scaling'],
+                   help="run only these benchmarks")
+    b.set_defaults(func=_bench)
+
+# %% ../nbs/10_cli.ipynb #c015
+def _loader(args):
+    from dtnb.data import SyntheticDataset, loader_report
+    ds = SyntheticDataset(1024 if args.quick else 4096, cost_ms=args.cost_ms, mode=args.mode)
+    r = loader_report(ds, batch_size=args.batch_size, quick=args.quick)
+    print(json.dumps(r.to_dict(), indent=2) if args.json else r)
+    return 0
+
+def _add_loader(sub):
+    d = sub.add_parser('loader', help="is training input-bound? profile and tune a DataLoader on a synthetic dataset")
+    d.add_argument('--quick', action='store_true', help="short trials: about 10 s instead of a minute")
+    d.add_argument('--mode', choices=('cpu', 'sleep', 'memory'), default='cpu', help="synthetic samples: CPU work, I/O-like waits, or samples in memory")
+    d.add_argument('--cost-ms', type=float, default=2.0, help="cost of one synthetic sample in milliseconds")
+    d.add_argument('--batch-size', type=int, default=32, help="samples per batch")
+    d.add_argument('--json', action='store_true', help="print the report as JSON")
+    d.set_defaults(func=_loader)
+
+# %% ../nbs/10_cli.ipynb #c016
 def parser() -> argparse.ArgumentParser:
     "The `dtnb` command-line parser with all its subcommands"
     p = argparse.ArgumentParser(prog='dtnb', description="Take PyTorch training from one device to many.")
@@ -94,6 +125,8 @@ def parser() -> argparse.ArgumentParser:
     l.add_argument('rest', nargs=argparse.REMAINDER, help="torchrun options, then the script and its arguments")
     l.set_defaults(func=_launch)
     _add_plan(sub)
+    _add_bench(sub)
+    _add_loader(sub)
     r = sub.add_parser('report', help="run the whole report on this machine: devices, strategies, loader, benchmarks")
     r.add_argument('--out', default='dtnb-report', help="folder for report.md, report.html, results.json and plots")
     r.add_argument('--quick', action='store_true', help="small sizes: under 3 minutes on 2 CPU cores")
@@ -102,7 +135,7 @@ def parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_report)
     return p
 
-# %% ../nbs/10_cli.ipynb #c013
+# %% ../nbs/10_cli.ipynb #c017
 def main(argv:list[str]|None=None) -> int:
     "Entry point of the `dtnb` command (`argv=None` reads `sys.argv` and turns bad input into a one-line error)"
     p = parser()

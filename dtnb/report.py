@@ -12,8 +12,8 @@ from pathlib import Path
 from .device import detect, md_table, text_table
 
 # %% auto #0
-__all__ = ['STRATEGY_RUNS', 'SECTIONS', 'Section', 'env_section', 'plan_section', 'training_section', 'Report', 'write_report',
-           'report']
+__all__ = ['STRATEGY_RUNS', 'SECTIONS', 'Section', 'env_section', 'plan_section', 'training_section', 'loader_section',
+           'bench_section', 'Report', 'write_report', 'report']
 
 # %% ../nbs/07_report.ipynb #c005
 @dataclass
@@ -42,7 +42,7 @@ def plan_section(quick=True, model=None, nprocs=2, **_) -> Section:
     x, y = toy_data(16)[:]
     plans = {'example model': recommend(ToyModel(), batch=(x, y), loss_fn=torch.nn.functional.mse_loss, world_size=nprocs)}
     if model: plans[f'your model ({model})'] = recommend(_factory(model)(), world_size=nprocs)
-    md = '\n\n'.join(f"**{k}** → `{p.strategy}`: {p.reason}\n\n{p._repr_markdown_()}" for k, p in plans.items())
+    md = '\n\n'.join(f"**{k}**\n\n{p._repr_markdown_()}" for k, p in plans.items())
     txt = '\n\n'.join(f"{k} -> {p.strategy}: {p.reason}\n{p}" for k, p in plans.items())
     return Section('Which strategy fits', md, txt, {k: p.to_dict() for k, p in plans.items()})
 
@@ -74,7 +74,7 @@ def _factory(spec):
     return getattr(importlib.import_module(mod), name)
 
 # %% ../nbs/07_report.ipynb #c012
-STRATEGY_RUNS = ['ddp', 'pipeline']  # strategies trained beside the single-process reference
+STRATEGY_RUNS = ['ddp', 'fsdp', 'pipeline']  # strategies trained beside the single-process reference
 
 def training_section(quick=True, nprocs=2, model=None, **_) -> Section:
     "Train the example model with every strategy; compare losses with the single process"
@@ -96,10 +96,35 @@ def training_section(quick=True, nprocs=2, model=None, **_) -> Section:
                    text_table(cols, rows) + f"\n{verdict}", dict(runs=runs, agree=agree, steps=steps, nprocs=nprocs))
 
 # %% ../nbs/07_report.ipynb #c014
+def loader_section(quick=True, **_) -> Section:
+    "Is training input-bound on a CPU-heavy dataset, and which loader settings fix it"
+    from dtnb.data import SyntheticDataset, loader_report
+    r = loader_report(SyntheticDataset(1024 if quick else 4096, cost_ms=2.0), batch_size=32, quick=quick, progress=False)
+    return Section('Data loader: input-bound?', r._repr_markdown_(), str(r), r.to_dict())
+
+# %% ../nbs/07_report.ipynb #c016
+def bench_section(quick=True, **_) -> Section:
+    "Matmul, memory, collectives, model throughput and scaling on this machine"
+    import matplotlib; matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    from dtnb.bench import bench_all
+    results = bench_all(quick=quick, progress=False, print_fn=lambda *a: None)
+    figs = {}
+    for r in results:
+        try:
+            ax = r.plot()
+            figs[f"bench_{r.kind}"] = ax.figure if hasattr(ax, 'figure') else plt.gcf()
+        except Exception: pass  # a result without a plot (nothing to draw) still has its table
+    md = '\n\n'.join(f"### {r.kind}\n\n{r._repr_markdown_()}" for r in results)
+    return Section('Benchmarks', md, '\n\n'.join(map(str, results)), {r.kind: r.to_dict() for r in results}, figs)
+
+# %% ../nbs/07_report.ipynb #c018
 SECTIONS = {  # name: 'module:function' returning a Section
     'env': 'dtnb.report:env_section',
     'plan': 'dtnb.report:plan_section',
     'training': 'dtnb.report:training_section',
+    'loader': 'dtnb.report:loader_section',
+    'bench': 'dtnb.report:bench_section',
 }
 
 def _run_section(name, spec, **kw):
@@ -111,7 +136,7 @@ def _run_section(name, spec, **kw):
     s.seconds = time.perf_counter() - t
     return s
 
-# %% ../nbs/07_report.ipynb #c015
+# %% ../nbs/07_report.ipynb #c019
 @dataclass
 class Report:
     "The sections of one `dtnb report` run, with views and writers"
@@ -142,7 +167,7 @@ class Report:
             out += ['', f"== {s.title} ({s.seconds:.1f}s)", f"FAILED: {s.error}" if s.error else s.text]
         return '\n'.join(out)
 
-# %% ../nbs/07_report.ipynb #c016
+# %% ../nbs/07_report.ipynb #c020
 def _html(md_text, title='dtnb report'):
     import mistune
     body = mistune.html(md_text)
@@ -164,7 +189,7 @@ def write_report(rep:Report, out:str|Path) -> list[Path]:
     (out / 'results.json').write_text(json.dumps(rep.to_dict(), indent=2, default=str))
     return [out / f for f in ('report.md', 'report.html', 'results.json', *paths.values())]
 
-# %% ../nbs/07_report.ipynb #c017
+# %% ../nbs/07_report.ipynb #c021
 def report(out:str|Path|None=None,  # folder for report.md, report.html, results.json and plots
            quick:bool=False,          # small sizes: under 3 minutes on 2 CPU cores
            model:str|None=None,       # 'module:factory' building your model (default: dtnb's example)

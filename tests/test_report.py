@@ -15,13 +15,19 @@ def test_report_quick_writes_everything(tmp_path):
     res = json.loads((tmp_path / 'results.json').read_text())
     assert res['ok'] is True
     training = res['sections']['Training: every strategy, same losses']['data']
-    assert training['agree'] is True and len(training['runs']) >= 2
+    assert training['agree'] is True and set(training['runs']) == {'single', 'ddp', 'fsdp', 'pipeline'}
     ref = training['runs']['single']['losses']
     for name, run in training['runs'].items():
         assert len(run['losses']) == len(ref) and max(abs(a - b) for a, b in zip(run['losses'], ref)) < 1e-4, name
     assert '<table>' in (tmp_path / 'report.html').read_text()
     for line in (tmp_path / 'report.md').read_text().splitlines():  # every plot the report names exists
         if line.startswith('!['): assert (tmp_path / line.split('(')[1].rstrip(')')).exists(), line
+    loader = res['sections']['Data loader: input-bound?']
+    assert loader['error'] is None and loader['data']
+    bench = res['sections']['Benchmarks']['data']
+    assert {'matmul', 'memory', 'collectives', 'model', 'scaling'} <= set(bench)
+    assert bench['collectives']['rows'] and all(r['wrong'] == 0 for r in bench['collectives']['rows'])
+    assert len(list(tmp_path.glob('*.png'))) >= 3
     print(f"dtnb report --quick took {took:.0f}s")
 
 
