@@ -22,6 +22,10 @@ _API = {
     'full_state_dict': 'fsdp', 'check_optimizer': 'fsdp', 'find_blocks': 'fsdp',
     'profile_loader': 'data', 'input_bound': 'data', 'tune_loader': 'data', 'loader_report': 'data',
     'SyntheticDataset': 'data', 'StepTimer': 'data',
+    'save_checkpoint': 'checkpoint', 'load_checkpoint': 'checkpoint', 'latest_checkpoint': 'checkpoint',
+    'list_checkpoints': 'checkpoint', 'checkpoint_path': 'checkpoint', 'resumable': 'checkpoint',
+    'export_model': 'checkpoint', 'export_checkpoint': 'checkpoint', 'load_exported': 'checkpoint',
+    'CheckpointError': 'checkpoint',
     'Degrees': 'parallel', 'parallelize': 'parallel', 'tp_plan': 'parallel', 'apply_tp': 'parallel', 'data_rank': 'parallel',
 }
 

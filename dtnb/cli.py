@@ -110,7 +110,32 @@ def _add_loader(sub):
     d.add_argument('--json', action='store_true', help="print the report as JSON")
     d.set_defaults(func=_loader)
 
-# %% ../nbs/10_cli.ipynb #c016
+# %% ../nbs/10_cli.ipynb #c017
+def _checkpoints(args):
+    from dtnb.checkpoint import list_checkpoints
+    cl = list_checkpoints(args.dir)
+    print(json.dumps(cl.to_dict(), indent=2) if args.json else cl)
+    return 0 if cl.complete else 1
+
+def _export(args):
+    import torch
+    from dtnb.checkpoint import export_checkpoint, CheckpointError
+    dt = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
+    try: print(export_checkpoint(args.checkpoint, args.out, dtype=dt))
+    except (CheckpointError, FileNotFoundError) as e: raise ValueError(str(e)) from None
+    return 0
+
+def _add_checkpoints(sub):
+    c = sub.add_parser('checkpoints', help="list a directory's checkpoints: complete ones, and interrupted saves")
+    c.add_argument('dir'); c.add_argument('--json', action='store_true', help="print the list as JSON")
+    c.set_defaults(func=_checkpoints)
+    x = sub.add_parser('export', help="write a checkpoint's model weights to one .safetensors or .pt file")
+    x.add_argument('checkpoint', help="a checkpoint directory, or a directory of them (the newest complete one)")
+    x.add_argument('out', help="model.safetensors or model.pt")
+    x.add_argument('--dtype', choices=['fp32', 'bf16', 'fp16'], default='fp32')
+    x.set_defaults(func=_export)
+
+# %% ../nbs/10_cli.ipynb #c018
 def parser() -> argparse.ArgumentParser:
     "The `dtnb` command-line parser with all its subcommands"
     p = argparse.ArgumentParser(prog='dtnb', description="Take PyTorch training from one device to many.")
@@ -127,6 +152,7 @@ def parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_bench(sub)
     _add_loader(sub)
+    _add_checkpoints(sub)
     r = sub.add_parser('report', help="run the whole report on this machine: devices, strategies, loader, benchmarks")
     r.add_argument('--out', default='dtnb-report', help="folder for report.md, report.html, results.json and plots")
     r.add_argument('--quick', action='store_true', help="small sizes: under 3 minutes on 2 CPU cores")
@@ -135,7 +161,7 @@ def parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_report)
     return p
 
-# %% ../nbs/10_cli.ipynb #c017
+# %% ../nbs/10_cli.ipynb #c019
 def main(argv:list[str]|None=None) -> int:
     "Entry point of the `dtnb` command (`argv=None` reads `sys.argv` and turns bad input into a one-line error)"
     p = parser()

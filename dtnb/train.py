@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from .launch import world_size, is_main, current_device
 from .device import md_table, text_table
+from .fsdp import check_optimizer
 from .checkpoint import resumable, latest_checkpoint, load_checkpoint, save_checkpoint, checkpoint_path
 
 # %% auto #0
@@ -100,7 +101,9 @@ def _micro_step(model, batch, loss_fn, device, precision, scaler, accumulate, la
 
 def _opt_step(model, optimizer, scaler, clip):
     if scaler is not None: scaler.unscale_(optimizer)
-    if clip is not None: torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    if clip is not None:  # a pipeline clips by the norm over all its stages, not this rank's alone
+        if hasattr(model, 'clip_grad_norm_'): model.clip_grad_norm_(clip)
+        else: torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     if scaler is not None: scaler.step(optimizer); scaler.update()
     else: optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -167,6 +170,7 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
     if every is not None and (not isinstance(every, int) or every < 1): raise ValueError(f"every={every!r} must be a whole number of steps >= 1")
     _autocast(torch.device('cpu'), precision)  # checks the name before any work
     device, strategy = current_device(), _strategy_name(model)
+    check_optimizer(model, optimizer)  # an optimizer built before sharding would silently train nothing
     scaler = torch.amp.GradScaler(device.type) if precision == 'fp16' else None
     start, done, resumed = 0, [], ''
     if checkpoint_dir is not None:
@@ -181,8 +185,8 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
     save = lambda: _checkpoint(checkpoint_dir, step, model, optimizer, loader, scheduler, scaler, done, keep, async_save)
     for group in (_batches(loader, passes, max_steps, accumulate, stats) if max_steps is None or start < max_steps else []):
         group = [_to(b, device) for b in group]
-        if strategy == 'pipeline':
-            step_loss = sum(model.step(*b) for b in group) / accumulate
+        if strategy == 'pipeline':  # one step over the whole group: the pipeline splits it into its microbatches
+            step_loss = model.step(*(torch.cat(parts) for parts in zip(*group)))
             _opt_step(model, optimizer, None, clip)
         else:
             step_loss = sum(_micro_step(model, b, loss_fn, device, precision, scaler, accumulate, i == accumulate - 1)
