@@ -48,6 +48,7 @@ def test_tuner_beats_no_workers_on_cpu_bound_set():
     res = tune_loader(ds, 16, trial_s=0.5)
     zero, tuned = side_by_side(ds, 16, res.best.settings)
     free.append(cores_free())
+    print(f"cpu-bound set: tuned {res.best.settings} {tuned:.0f} vs num_workers=0 {zero:.0f} samples/s = {tuned / zero:.2f}×; cores free {free}")
     if min(free) < 1.7:  # other jobs hold the cores: two workers cannot run two samples at once, whatever the settings
         pytest.skip(f"only {min(free):.2f} of 2 cores free (tuned {tuned:.0f} vs {zero:.0f} samples/s = {tuned / zero:.2f}×): "
                     f"the 1.6× check needs two idle cores")
