@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The two commands of the README:
-#   bash run.sh main   set up .venv and run the main job (dtnb env)
+#   bash run.sh main   set up .venv and run the main job (dtnb report --quick, written to dtnb-report/)
 #   bash run.sh test   set up .venv and run every test (nbdev-test, then pytest tests/)
 # Setup is idempotent: a second run reuses .venv. TORCH_SPEC picks another torch (default: the 2.13.0 wheel,
 # the CPU build on machines that carry it; a GPU machine may set TORCH_SPEC=torch to get its CUDA build).
@@ -20,9 +20,9 @@ setup() {
 
 case "${1:-}" in
   setup) setup ;;
-  main)  setup; "$VENV/bin/dtnb" env ;;
+  main)  setup; "$VENV/bin/dtnb" report --quick --out dtnb-report ;;
   test)  setup
-         "$VENV/bin/nbdev-test"
+         "$VENV/bin/nbdev-test" ${DTNB_NBDEV_TEST_ARGS:-}
          "$VENV/bin/pytest" tests/ -q ;;
   *) echo "usage: bash run.sh main|test|setup" >&2; exit 2 ;;
 esac

@@ -10,6 +10,17 @@ _API = {
     'current_device': 'launch',
     'wrap': 'ddp', 'distributed_loader': 'ddp',
     'fit': 'train', 'FitResult': 'train',
+    'estimate_memory': 'memory', 'recommend': 'memory', 'measure_memory': 'memory', 'trace_activations': 'memory',
+    'memory_explorer': 'memory', 'TransformerShape': 'memory', 'MemoryEstimate': 'memory', 'MemoryPlan': 'memory',
+    'MemoryMeasurement': 'memory',
+    'report': 'report',
+    'pipeline': 'pipeline', 'Pipeline': 'pipeline', 'split_model': 'pipeline', 'PipelineSplit': 'pipeline',
+    'PipelineTimeline': 'pipeline', 'PipelineTimelines': 'pipeline', 'simulate_schedule': 'pipeline',
+    'schedule_order': 'pipeline', 'bubble_fraction': 'pipeline',
+    'bench_matmul': 'bench', 'bench_memory': 'bench', 'bench_collectives': 'bench', 'bench_model': 'bench',
+    'bench_scaling': 'bench', 'bench_all': 'bench', 'cost_per_experiment': 'bench', 'BenchResult': 'bench', 'time_fn': 'bench',
+    'full_state_dict': 'fsdp', 'check_optimizer': 'fsdp', 'find_blocks': 'fsdp',
+    'Degrees': 'parallel', 'parallelize': 'parallel', 'tp_plan': 'parallel', 'apply_tp': 'parallel', 'data_rank': 'parallel',
 }
 
 def __getattr__(name):

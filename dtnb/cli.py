@@ -35,7 +35,65 @@ def _launch(args):
     if args.dry_run: print(' '.join(cmd)); return 0
     return subprocess.run(cmd, env={**os.environ, **env}).returncode
 
-# %% ../nbs/10_cli.ipynb #c008
+# %% ../nbs/10_cli.ipynb #c009
+def _report(args):
+    from dtnb.report import report
+    rep = report(out=args.out, quick=args.quick, model=args.model, sections=args.sections)
+    print(rep)
+    print(f"\nwrote {args.out}/report.md, report.html, results.json and plots", file=sys.stderr)
+    return 0 if rep.ok else 1
+
+# %% ../nbs/10_cli.ipynb #c011
+def _plan(args):
+    from dtnb.memory import recommend, estimate_memory, TransformerShape
+    dims = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len)
+    if any(dims.values()) and not all(dims.values()):
+        raise ValueError("a transformer shape needs all of --layers, --hidden, --heads and --seq-len")
+    shape = TransformerShape(**dims, batch=args.batch, vocab=args.vocab) if all(dims.values()) else None
+    model = args.params or shape
+    if model is None: raise ValueError("give --params (e.g. --params 7.5e9) or a transformer shape (--layers --hidden --heads --seq-len)")
+    if args.strategy:
+        r = estimate_memory(model, args.strategy, args.world_size or 1, args.optimizer, args.precision or 'fp32', shape=shape,
+                            checkpoint=args.checkpoint, offload=args.offload)
+    else:
+        r = recommend(model, shape=shape, world_size=args.world_size, optimizer=args.optimizer, precision=args.precision,
+                      memory=args.memory, margin=args.margin)
+    print(json.dumps(r.to_dict(), indent=2) if args.json else r)
+    return 0
+
+def _add_plan(sub):
+    p = sub.add_parser('plan', help="bytes per device for each parallel strategy, and the one that fits")
+    p.add_argument('--params', type=float, help="parameter count, e.g. 7.5e9 (default: from the transformer shape)")
+    p.add_argument('--layers', type=int); p.add_argument('--hidden', type=int); p.add_argument('--heads', type=int)
+    p.add_argument('--seq-len', type=int, help="with --layers/--hidden/--heads: activations from Korthikanti et al.'s formula")
+    p.add_argument('--batch', type=int, default=1, help="micro-batch per device")
+    p.add_argument('--vocab', type=int, default=0)
+    p.add_argument('--world-size', type=int, help="devices (default: this machine's accelerators, else 1)")
+    p.add_argument('--optimizer', default='adamw', choices=['sgd', 'momentum', 'adam', 'adamw'])
+    p.add_argument('--precision', choices=['fp32', 'mixed', 'amp', 'bf16'], help="default: amp where the device computes bf16/fp16, else fp32")
+    p.add_argument('--memory', type=float, help="bytes per device, e.g. 80e9 (default: detected)")
+    p.add_argument('--margin', type=float, default=0.1, help="fraction of device memory kept free")
+    p.add_argument('--strategy', help="print the one estimate of this strategy instead of the plan: single, ddp, zero1, zero2, zero3, fsdp")
+    p.add_argument('--checkpoint', action='store_true', help="with --strategy: activation checkpointing")
+    p.add_argument('--offload', action='store_true', help="with --strategy: CPU offload")
+    p.add_argument('--json', action='store_true', help="print as JSON")
+    p.set_defaults(func=_plan)
+
+# %% ../nbs/10_cli.ipynb #c013
+def _bench(args):
+    from dtnb.bench import bench_all
+    bench_all(quick=args.quick, out=args.out, only=args.only)
+    return 0
+
+def _add_bench(sub):
+    b = sub.add_parser('bench', help="measure this machine: matmul, memory, collectives, model throughput, scaling")
+    b.add_argument('--quick', action='store_true', help="small sizes (about 20 s on a 2-core CPU)")
+    b.add_argument('--out', metavar='DIR', help="save each result as DIR/<kind>.json and DIR/<kind>.png")
+    b.add_argument('--only', nargs='+', metavar='NAME', choices=['matmul', 'memory', 'collectives', 'model', 'scaling'],
+                   help="run only these benchmarks")
+    b.set_defaults(func=_bench)
+
+# %% ../nbs/10_cli.ipynb #c014
 def parser() -> argparse.ArgumentParser:
     "The `dtnb` command-line parser with all its subcommands"
     p = argparse.ArgumentParser(prog='dtnb', description="Take PyTorch training from one device to many.")
@@ -49,9 +107,17 @@ def parser() -> argparse.ArgumentParser:
     l.add_argument('--dry-run', action='store_true', help="print the torchrun command instead of running it")
     l.add_argument('rest', nargs=argparse.REMAINDER, help="torchrun options, then the script and its arguments")
     l.set_defaults(func=_launch)
+    _add_plan(sub)
+    _add_bench(sub)
+    r = sub.add_parser('report', help="run the whole report on this machine: devices, strategies, loader, benchmarks")
+    r.add_argument('--out', default='dtnb-report', help="folder for report.md, report.html, results.json and plots")
+    r.add_argument('--quick', action='store_true', help="small sizes: under 3 minutes on 2 CPU cores")
+    r.add_argument('--model', default=None, help="module:factory building your model (default: dtnb's example)")
+    r.add_argument('--sections', nargs='+', default=None, help="only these sections")
+    r.set_defaults(func=_report)
     return p
 
-# %% ../nbs/10_cli.ipynb #c009
+# %% ../nbs/10_cli.ipynb #c015
 def main(argv:list[str]|None=None) -> int:
     "Entry point of the `dtnb` command (`argv=None` reads `sys.argv` and turns bad input into a one-line error)"
     p = parser()

@@ -10,7 +10,7 @@ import importlib
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from .launch import rank, world_size, current_device
+from .launch import rank as _rank, world_size, current_device
 
 # %% auto #0
 __all__ = ['STRATEGIES', 'DistributedLoader', 'distributed_loader', 'wrap', 'apply_single', 'apply_ddp']
@@ -50,11 +50,15 @@ def distributed_loader(dataset:Dataset,
                        shuffle:bool=True,
                        drop_last:bool=False,  # drop the tail so every rank has only full batches
                        seed:int=0,            # shuffling seed, the same on every rank
+                       num_replicas:int|None=None, # data-parallel ranks (default: the world); with pipeline or tensor
+                       rank:int|None=None,         #   parallel, the data-parallel size and rank (`dtnb.parallel.data_rank`)
                        **dataloader_kwargs) -> DistributedLoader:
     "DataLoader that gives each rank its own share of `dataset`; works unchanged in a single process"
     from torch.utils.data.distributed import DistributedSampler
     if len(dataset) == 0: raise ValueError("distributed_loader got an empty dataset: there is nothing to train on")
-    ws, r = world_size(), rank()
+    ws = world_size() if num_replicas is None else num_replicas
+    r = _rank() if rank is None else rank
+    if not 0 <= r < ws: raise ValueError(f"rank={r} must be in 0..{ws - 1} for num_replicas={ws}")
     b = _per_rank_batch(batch_size, global_batch_size, ws)
     sampler = DistributedSampler(dataset, num_replicas=ws, rank=r, shuffle=shuffle, seed=seed, drop_last=drop_last)
     loader = DataLoader(dataset, batch_size=b, sampler=sampler, drop_last=drop_last, **dataloader_kwargs)
@@ -65,10 +69,11 @@ STRATEGIES = {  # name: 'module:function' applying it
     'single': 'dtnb.ddp:apply_single',
     'ddp': 'dtnb.ddp:apply_ddp',
     'fsdp': 'dtnb.fsdp:apply_fsdp',
+    'pipeline': 'dtnb.pipeline:pipeline',  # needs loss_fn=...; returns a Pipeline that `fit` drives
 }
 
 def wrap(model:nn.Module, strategy:str='ddp', **options) -> nn.Module:
-    "Apply a parallel `strategy` ('single', 'ddp', 'fsdp') to `model` from the outside; returns the model to train"
+    "Apply a parallel `strategy` ('single', 'ddp', 'fsdp', 'pipeline') to `model` from the outside; returns the model to train"
     if strategy not in STRATEGIES:
         raise ValueError(f"Unknown strategy {strategy!r}: choose one of {', '.join(map(repr, STRATEGIES))}")
     mod, fn = STRATEGIES[strategy].split(':')

@@ -256,7 +256,11 @@ def _start_method(start_method):
 
 # %% ../nbs/01_launch.ipynb #c033
 def _check_args(fn, nprocs):
+    import torch.distributed as dist
     if not callable(fn): raise TypeError(f"launch() needs a function to run on each rank; got {fn!r} ({type(fn).__name__})")
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("This process already belongs to a process group, which forked ranks would inherit: "
+                           "call dtnb.shutdown() (or torch.distributed.destroy_process_group()) before launch()")
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r}: launch needs a whole number of ranks >= 1, e.g. nprocs=2")
 
@@ -395,7 +399,7 @@ def _load(path):
     import pickle
     with open(path, 'rb') as f: return pickle.load(f)
 
-# %% ../nbs/01_launch.ipynb #c056
+# %% ../nbs/01_launch.ipynb #c058
 _RDZV_OPTS = ('--standalone', '--rdzv-endpoint', '--rdzv_endpoint', '--master-addr', '--master_addr', '--rdzv-backend', '--rdzv_backend')
 
 def torchrun_command(nprocs:int, script:str, script_args=(), torchrun_args=()) -> tuple[list, dict]:
@@ -410,7 +414,7 @@ def torchrun_command(nprocs:int, script:str, script_args=(), torchrun_args=()) -
                OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', str(max(1, usable_cores() // nprocs))))
     return cmd + [script, *script_args], env
 
-# %% ../nbs/01_launch.ipynb #c060
+# %% ../nbs/01_launch.ipynb #c062
 class _CallableModule(types.ModuleType):
     "Calling the `dtnb.launch` module calls `dtnb.launch.launch`"
     def __call__(self, *args, **kwargs): return launch(*args, **kwargs)

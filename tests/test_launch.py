@@ -63,6 +63,9 @@ def test_fork_and_spawn_from_a_real_kernel(kernel):
     out, err = run(kc, "print(launch(train, 3, nprocs=2, start_method='spawn', prefix=True))")
     assert err is None, err
     assert '[18.0, 18.0]' in out and '[rank 1] rank 1 of 2 sees' in out
+    out, err = run(kc, "print(launch(train, 4, nprocs=2, start_method='forkserver'))")  # Python 3.14's default on Linux
+    assert err is None, err
+    assert '[24.0, 24.0]' in out
     assert kernel_children(km) == []
 
 
@@ -112,7 +115,8 @@ import psutil
 def quick(): t = torch.ones(1); dist.all_reduce(t); return t.item()
 t0 = time.monotonic()
 bad = [i for i in range(200) if launch(quick, nprocs=2, timeout=60) != [2.0, 2.0]]
-left = [c for c in psutil.Process().children(recursive=True) if 'resource_tracker' not in ' '.join(c.cmdline())]
+left = [c for c in psutil.Process().children(recursive=True)
+        if not any(k in ' '.join(c.cmdline()) for k in ('resource_tracker', 'forkserver'))]
 print("DONE", len(bad), len(left), round(time.monotonic() - t0, 1))
 '''
     out, err = run(kc, code, timeout=300)

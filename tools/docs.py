@@ -121,6 +121,15 @@ def _strip_directives(src):
     return '\n'.join(l for l in src.splitlines() if not _DIRECTIVE.match(l)).strip()
 
 
+def _join_lines(o):
+    "Outputs stored as lists of lines (as execnb and nbformat on disk do) joined into strings"
+    o = dict(o)
+    j = lambda v: ''.join(v) if isinstance(v, list) else v
+    if 'text' in o: o['text'] = j(o['text'])
+    if 'data' in o: o['data'] = {k: j(v) for k, v in o['data'].items()}
+    return o
+
+
 def _clean_nb(nb, outputs):
     "Prepare a processed notebook for nbconvert: outputs attached, directives applied, extra keys dropped"
     import nbformat
@@ -136,7 +145,7 @@ def _clean_nb(nb, outputs):
         outs = c.get('outputs') or outputs.get(_strip_directives(src), [])
         code = _strip_directives(src)
         cell = nbformat.v4.new_code_cell(code)
-        cell.outputs = [nbformat.from_dict(o) for o in outs]
+        cell.outputs = [nbformat.from_dict(_join_lines(o)) for o in outs]
         for o in cell.outputs:
             if o.get('output_type') in ('execute_result', 'display_data'):
                 o.setdefault('metadata', {})
@@ -158,6 +167,9 @@ def _link_fix(body, pages, here):
     depth = here.count('/')
     def sub(m):
         href = m.group(1)
+        if href.startswith(DOCS_URL):  # doclinks to the published site: the page built here
+            href = os.path.relpath(href[len(DOCS_URL):] or 'index.html', os.path.dirname(here) or '.')
+            return f'href="{href}"'
         if href.startswith(('http:', 'https:', '#', 'data:', 'mailto:')): return m.group(0)
         path, frag = (href.split('#', 1) + [''])[:2]
         if path.endswith('.ipynb'):
@@ -183,9 +195,12 @@ pre{background:#f6f8fa;padding:.6rem;overflow-x:auto;border-radius:4px;font-size
 code{font-size:.9em}
 table{border-collapse:collapse;margin:.6rem 0}
 th,td{border:1px solid #ccc;padding:.2rem .5rem;text-align:left;font-size:.88rem}
-.jp-OutputArea-output pre,.output_text pre{background:#fff;border-left:3px solid #ccc}
+.output_area pre{background:#fff;border-left:3px solid #f0a07a;margin-left:.8rem}
+.output_stderr pre{border-left-color:#c0392b}
 img{max-width:100%}
-.jp-InputPrompt,.jp-OutputPrompt{display:none}
+.prompt{display:none}
+.anchor-link{display:none}
+.lead{font-size:1.15rem;color:#555}
 """
 
 
@@ -194,7 +209,7 @@ def _page(title, body, nav_html):
     hl = HtmlFormatter().get_style_defs('.highlight')
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{html.escape(title)} – dtnb</title><style>{CSS}\n{hl}</style></head>
+<title>{html.escape(title)} – dtnb</title><link rel="icon" href="data:,"><style>{CSS}\n{hl}</style></head>
 <body><header><a href="{{root}}index.html">dtnb</a><a href="{REPO_URL}">GitHub</a></header>
 <div class="layout"><nav class="sidebar">{nav_html}</nav><main>{body}</main></div></body></html>"""
 
@@ -241,7 +256,7 @@ def build(n_workers=2, execute_nbs=True):
         nb = json.loads((PROC / p).read_text())
         fm = _front(nb)
         body, _ = exporter.from_notebook_node(_clean_nb(nb, outputs[p]))
-        if fm.get('title') and p != 'index.ipynb':
+        if fm.get('title'):
             desc = f"<p class='lead'><em>{html.escape(str(fm.get('description', '')))}</em></p>" if fm.get('description') else ''
             body = f"<h1>{html.escape(str(fm['title']))}</h1>{desc}{body}"
         here = pages[p]

@@ -1,0 +1,319 @@
+"Pipeline, tensor and composed parallelism on real gloo process groups, each compared to one process"
+import itertools, logging, warnings
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+import torch.distributed.pipelining, torch.distributed.tensor.parallel, torch.distributed.fsdp  # once, before the ranks fork
+from dtnb.launch import launch, LaunchError
+from dtnb.models import ToyModel, Block, toy_data, toy_sequences
+from dtnb.pipeline import (pipeline, split_model, pipeline_units, balance_bounds, schedule_order, simulate_schedule,
+                           bubble_fraction, SCHEDULES, Pipeline)
+from dtnb.parallel import Degrees, parallelize, data_rank, tp_plan, apply_tp
+
+mse = nn.functional.mse_loss
+
+
+# ---------------------------------------------------------------- models and references
+class Attention(nn.Module):
+    def __init__(self, d, n_heads):
+        super().__init__()
+        self.head_dim = d // n_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (l(x).view(b, s, -1, self.head_dim).transpose(1, 2) for l in (self.q, self.k, self.v))
+        return self.o(nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, -1))
+
+class MLP(nn.Module):
+    def __init__(self, d): super().__init__(); self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+    def forward(self, x): return self.down(nn.functional.gelu(self.up(x)))
+
+class TransformerBlock(nn.Module):
+    def __init__(self, d, n_heads):
+        super().__init__()
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = nn.LayerNorm(d), Attention(d, n_heads), nn.LayerNorm(d), MLP(d)
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+class TinyTransformer(nn.Module):
+    def __init__(self, d_in=16, d=32, n_heads=4, depth=2, d_out=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(d_in, d)
+        self.layers = nn.ModuleList(TransformerBlock(d, n_heads) for _ in range(depth))
+        self.head = nn.Linear(d, d_out)
+    def forward(self, x):
+        x = self.inp(x)
+        for l in self.layers: x = l(x)
+        return self.head(x)
+
+def uneven_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), Block(32, 256), Block(32, 256), *[Block(32, 32) for _ in range(6)], nn.Linear(32, 4))
+
+def seqs(): return toy_sequences(64, seq=8)
+def full(t): return t.full_tensor() if hasattr(t, 'full_tensor') else t
+
+def reference(make=ToyModel, data=lambda: toy_data(64), steps=3, batch=16):
+    "One process, SGD: losses per step, first-step gradients, final parameters"
+    model, ds = make(), data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], None
+    for i in range(steps):
+        x, y = ds[i * batch:(i + 1) * batch]
+        loss = mse(model(x), y)
+        opt.zero_grad(); loss.backward()
+        grads = grads or {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step(); losses.append(loss.item())
+    return losses, grads, {k: v.clone() for k, v in model.state_dict().items()}
+
+REF = {}
+def ref(make=ToyModel, data=lambda: toy_data(64)):
+    key = (make, data.__name__ if hasattr(data, '__name__') else id(data))
+    if key not in REF: REF[key] = reference(make, data)
+    return REF[key]
+
+def assert_close(a, b, eps=1e-6, what=''):
+    d = (torch.as_tensor(a) - torch.as_tensor(b)).abs().max().item()
+    assert d <= eps, f"{what}: max difference {d:.3g} > {eps}"
+
+def merged(res, key): return {k: v for r in res for k, v in r[key].items()}
+
+
+# ---------------------------------------------------------------- pipeline parallel
+def train_pipe(schedule, make=ToyModel, data=lambda: toy_data(64), steps=3, batch=16, **kw):
+    model, ds = make(), data()
+    pipe = pipeline(model, mse, schedule=schedule, example=ds[:4][0], **kw)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    losses, grads = [], None
+    for i in range(steps):
+        x, y = ds[i * batch:(i + 1) * batch]
+        opt.zero_grad()
+        losses.append(pipe.step(x, y).item())
+        grads = grads or {k: p.grad.clone() for k, p in pipe.named_parameters()}
+        opt.step()
+    return dict(losses=losses, grads=grads, params=pipe.state_dict(), stages=pipe.stage_indices)
+
+@pytest.mark.parametrize('schedule', list(SCHEDULES))
+def test_schedule_equals_one_process(schedule):
+    "2 ranks (one or two stages each): loss on every rank equal, gradients and parameters after 3 steps to 1e-6"
+    res = launch(train_pipe, schedule, nprocs=2)
+    losses, grads, params = ref()
+    for r in res: assert_close(r['losses'], losses, what='loss')
+    g, p = merged(res, 'grads'), merged(res, 'params')
+    assert sorted(g) == sorted(grads) and sorted(p) == sorted(params)
+    for k in grads: assert_close(g[k], grads[k], what=k)
+    for k in params: assert_close(p[k], params[k], what=k)
+    assert res[0]['stages'] == ([0] if SCHEDULES[schedule][1] == 'one' else [0, 3] if 'V' in SCHEDULES[schedule][1] else [0, 2])
+
+def test_interleaved_two_stages_per_rank_more_microbatches():
+    res = launch(train_pipe, 'interleaved1f1b', n_microbatches=8, nprocs=2)
+    assert [r['stages'] for r in res] == [[0, 2], [1, 3]]
+    losses, grads, _ = ref()
+    g = merged(res, 'grads')
+    for k in grads: assert_close(g[k], grads[k], what=k)
+
+def test_balanced_split_on_uneven_layers():
+    "Balancing by parameters reaches the best possible largest stage; an equal-count split does not"
+    m = uneven_model()
+    units = pipeline_units(m)
+    costs = [float(sum(p.numel() for p in m.get_submodule(u).parameters())) for u in units]
+    for k in (2, 3, 4):
+        s = split_model(m, n_stages=k)
+        best = min(max(sum(costs[a:b]) for a, b in zip((0,) + c, c + (len(costs),))) for c in itertools.combinations(range(1, len(costs)), k - 1))
+        assert max(s.stage_costs) == best
+    assert split_model(m, n_stages=2).imbalance < 1.3 < split_model(m, split_points=['5']).imbalance
+
+def test_balanced_uneven_model_trains_like_one_process():
+    res = launch(train_pipe, '1f1b', make=uneven_model, nprocs=2)
+    losses, grads, _ = ref(uneven_model)
+    assert set(res[0]['params']) == {k for k in grads if k.startswith(('0.', '1.'))}  # stage 0: input layer and first wide block
+    for r in res: assert_close(r['losses'], losses, what='loss')
+    g = merged(res, 'grads')
+    for k in grads: assert_close(g[k], grads[k], what=k)
+
+def test_balance_bounds_matches_brute_force():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        costs = torch.randint(0, 10, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+        for k in range(1, len(costs) + 1):
+            b = balance_bounds(costs, k)
+            assert all(lo < hi for lo, hi in zip(b, b[1:]))
+            best = min(max(sum(costs[lo:hi]) for lo, hi in zip((0,) + c, c + (len(costs),))) for c in itertools.combinations(range(1, len(costs)), k - 1))
+            assert max(sum(costs[lo:hi]) for lo, hi in zip(b, b[1:])) == best
+
+def profile(schedule, m=4):
+    pipe = pipeline(ToyModel(), mse, schedule=schedule, n_microbatches=m)
+    x, y = toy_data(64)[:16]
+    pipe.step(x, y)
+    return pipe.profile_step(x, y), pipe.order()
+
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b', 'interleaved1f1b', 'zbvzerobubble'])
+def test_measured_order_is_the_plan(schedule):
+    "What each rank ran, in time order, is the order the schedule plans (for 1F1B/GPipe: dtnb's own derivation)"
+    tl, order = launch(profile, schedule, nprocs=2)[0]
+    for r in range(2):
+        assert [(e['stage'], e['kind'], e['mb']) for e in sorted(tl.events, key=lambda e: e['start']) if e['rank'] == r] == order[r]
+    assert 0 <= tl.bubble < 1 and tl.span > 0 and tl.loss > 0
+
+@pytest.mark.parametrize('p,m', list(itertools.product((1, 2, 4, 6), (1, 3, 8))))
+def test_simulated_bubble_is_the_formula(p, m):
+    for s in ('gpipe', '1f1b'):
+        assert abs(simulate_schedule(schedule_order(s, p, m), s).bubble - bubble_fraction(p, m)) < 1e-9
+    assert simulate_schedule(schedule_order('gpipe', p, m)).peak_in_flight == m
+    assert simulate_schedule(schedule_order('1f1b', p, m)).peak_in_flight == min(p, m)
+
+def loop_api(degrees, schedule):
+    quiet()
+    deg = Degrees(**degrees)
+    mesh = deg.build_mesh()
+    pipe = parallelize(ToyModel(), deg, mse, mesh=mesh, schedule=schedule)
+    (r, n), (x, y) = data_rank(mesh), toy_data(64)[:16]
+    x, y = x[r * 16 // n:(r + 1) * 16 // n], y[r * 16 // n:(r + 1) * 16 // n]
+    pipe.zero_grad(); pipe.step(x, y)
+    norm = pipe.clip_grad_norm_(0.5).item()
+    grads = {k: full(p.grad).clone() for k, p in pipe.named_parameters()}
+    val = pipe.eval().eval_loss(x, y).item()
+    return norm, grads, val
+
+@pytest.mark.parametrize('degrees,schedule', [(dict(pp=2), '1f1b'), (dict(pp=2), 'interleaved1f1b'), (dict(pp=2, tp=2), 'gpipe'),
+                                              (dict(pp=2, dp_shard=2), '1f1b')])
+def test_clip_and_eval_over_all_stages(degrees, schedule):
+    "The clipping norm is the whole model's, the clipped gradients and the forward-only loss are one process's"
+    model = ToyModel(); x, y = toy_data(64)[:16]
+    loss = mse(model(x), y); loss.backward()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
+    res = launch(loop_api, degrees, schedule, nprocs=2 * len(degrees))
+    for n, _, v in res: assert_close(n, norm, 1e-5, 'norm'); assert_close(v, loss.item(), what='eval loss')
+    g = {k: v for _, gr, _ in res for k, v in gr.items()}
+    for k, p in model.named_parameters(): assert_close(g[k], p.grad, what=k)
+
+def v_eval():
+    pipe = pipeline(ToyModel(), mse, schedule='zbvzerobubble')
+    pipe.eval_loss(*toy_data(64)[:16])
+
+def test_v_schedules_refuse_eval():
+    with pytest.raises(LaunchError, match="cannot run forward only"): launch(v_eval, nprocs=2, timeout=60)
+
+def odd_batch():
+    pipeline(ToyModel(), mse, n_microbatches=4).step(*toy_data(64)[:10])
+def too_many_stages(): pipeline(ToyModel(depth=1), mse, schedule='interleaved1f1b')
+def wrong_count(): pipeline(ToyModel(), mse, n_stages=3)
+
+@pytest.mark.parametrize('fn,msg', [
+    (odd_batch, "a batch of 10 does not split into n_microbatches=4 equal microbatches: use a batch size that is a multiple of 4 (e.g. 12)"),
+    (too_many_stages, "n_stages=4 but ToyModel has only 3 pipeline units (inp, layers.0, head): use n_stages <= 3"),
+    (wrong_count, "schedule '1f1b' runs one stage per rank: n_stages=3 on 2 pipeline ranks; use n_stages=2"),
+])
+def test_pipeline_errors_name_the_numbers(fn, msg):
+    with pytest.raises(LaunchError, match=None) as e: launch(fn, nprocs=2, timeout=60)
+    assert msg in str(e.value)
+
+
+# ---------------------------------------------------------------- tensor parallel and composition
+def quiet():
+    logging.getLogger('torch.distributed.tensor._redistribute').setLevel(logging.ERROR)
+    warnings.filterwarnings('ignore', message='FSDP2-wrapped module')
+
+def tp_train(make, data, sp):
+    from torch.distributed.device_mesh import init_device_mesh
+    quiet()
+    model, ds = make(), data()
+    apply_tp(model, init_device_mesh('cpu', (2,), mesh_dim_names=('tp',)), sequence_parallel=sp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for i in range(3):
+        x, y = ds[i * 16:(i + 1) * 16]
+        loss = mse(model(x), y); opt.zero_grad(); loss.backward(); opt.step(); losses.append(loss.item())
+    return losses, {k: full(v).clone() for k, v in model.state_dict().items()}
+
+@pytest.mark.parametrize('make,data,sp', [(ToyModel, lambda: toy_data(64), False), (TinyTransformer, seqs, False), (TinyTransformer, seqs, True)])
+def test_tensor_parallel_equals_one_process(make, data, sp):
+    losses, _, params = ref(make, data)
+    for l, p in launch(tp_train, make, data, sp, nprocs=2):
+        assert_close(l, losses, what='loss')
+        for k in params: assert_close(p[k], params[k], what=k)
+
+def train(degrees, make=ToyModel, data=lambda: toy_data(64), steps=3, batch=16, **kw):
+    quiet()
+    deg = Degrees(**degrees)
+    mesh = deg.build_mesh()
+    model = parallelize(make(), deg, mse, mesh=mesh, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ds, (r, n) = data(), data_rank(mesh)
+    losses = []
+    for i in range(steps):
+        x, y = (t[r * batch // n:(r + 1) * batch // n] for t in ds[i * batch:(i + 1) * batch])
+        opt.zero_grad()
+        if isinstance(model, Pipeline): loss = model.step(x, y)
+        else:
+            loss = mse(model(x), y); loss.backward()
+            loss = loss.detach().clone(); dist.all_reduce(loss); loss /= dist.get_world_size()
+        opt.step(); losses.append(loss.item())
+    sd = model.state_dict() if isinstance(model, Pipeline) else getattr(model, 'module', model).state_dict()
+    return losses, {k: full(v).detach().clone() for k, v in sd.items()}
+
+COMBOS = [  # degrees, parallelize options, ranks, transformer?
+    (dict(dp_shard=2, tp=2), {}, 4, False),                      # 2-D FSDP × TP
+    (dict(dp_replicate=2, tp=2), {}, 4, False),                  # DDP (replicate) × TP
+    (dict(dp_replicate=2, dp_shard=2), {}, 4, False),            # HSDP
+    (dict(dp_replicate=2), {}, 2, False),                        # plain DDP
+    (dict(pp=2, dp_replicate=2), {}, 4, False),                  # PP × DDP
+    (dict(pp=2, dp_replicate=2), dict(schedule='gpipe', activation_checkpointing=True), 4, False),
+    (dict(pp=2, dp_replicate=2), dict(schedule='interleaved1f1b'), 4, False),
+    (dict(pp=2, dp_shard=2), dict(activation_checkpointing=True), 4, False),   # PP × FSDP
+    (dict(pp=2, tp=2), {}, 4, False),                            # PP × TP
+    (dict(pp=2, tp=2), dict(sequence_parallel=True, activation_checkpointing=True), 4, True),
+    (dict(dp_shard=2, tp=2), dict(sequence_parallel=True, activation_checkpointing=True), 4, True),
+]
+
+@pytest.mark.parametrize('degrees,kw,n,transformer', COMBOS, ids=[f"{'x'.join(f'{k}{v}' for k, v in d.items())}-{'-'.join(kw) or 'plain'}" for d, kw, _, _ in COMBOS])
+def test_composition_equals_one_process(degrees, kw, n, transformer):
+    make, data = (TinyTransformer, seqs) if transformer else (ToyModel, lambda: toy_data(64))
+    losses, _, params = ref(make, data)
+    res = launch(train, degrees, make, data, **kw, nprocs=n)
+    for l, _ in res: assert_close(l, losses, what='loss')
+    p = {k: v for _, ps in res for k, v in ps.items()}
+    assert sorted(p) == sorted(params)
+    for k in params: assert_close(p[k], params[k], what=k)
+
+def test_degrees_product_error():
+    with pytest.raises(LaunchError) as e: launch(train, dict(dp_shard=2, tp=2), nprocs=2, timeout=60)
+    assert "dp_replicate 1 × dp_shard 2 × tp 2 × pp 1 = 4, but the world size is 2: make the product equal 2 (e.g. dp_shard=1)" in str(e.value)
+    with pytest.raises(ValueError, match="tp=-1 takes what the other degrees leave, but they need 3 ranks"): Degrees(dp_shard=3, tp=-1).resolve(4)
+
+def mesh_groups():
+    mesh = Degrees(pp=2, tp=2).build_mesh()
+    return {k: dist.get_process_group_ranks(mesh[k].get_group()) for k in ('pp', 'tp')}, data_rank(mesh)
+
+def test_mesh_is_named_and_tp_innermost():
+    res = launch(mesh_groups, nprocs=4)
+    assert [r[0]['tp'] for r in res] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r[0]['pp'] for r in res] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(r[1] == (0, 1) for r in res)  # one data shard: every rank loads the same batches
+
+
+# ---------------------------------------------------------------- the training loop
+def fit_pipe(degrees):
+    from torch.utils.data import DataLoader
+    from dtnb.train import fit
+    quiet()
+    deg = Degrees(**degrees)
+    mesh = deg.build_mesh()
+    model = parallelize(ToyModel(), deg, mse, mesh=mesh)
+    r, n = data_rank(mesh)
+    x, y = toy_data(64)[:48]
+    ds = torch.utils.data.TensorDataset(*(t.view(3, n, 16 // n, -1)[:, r].reshape(-1, t.shape[-1]) for t in (x, y)))  # this rank's share
+    res = fit(model, DataLoader(ds, batch_size=16 // n), torch.optim.SGD(model.parameters(), lr=0.1), progress=False)
+    return res.losses, res.samples, {k: full(v).detach().clone() for k, v in model.state_dict().items()}, model.data_parallel_size
+
+@pytest.mark.parametrize('degrees', [dict(pp=2), dict(pp=2, dp_replicate=2)])
+def test_fit_trains_a_pipeline_like_one_process(degrees):
+    losses, _, params = ref()
+    res = launch(fit_pipe, degrees, nprocs=2 * len(degrees))
+    for l, samples, _, dp in res:
+        assert_close(l, losses, what='loss'); assert samples == 48 and dp == degrees.get('dp_replicate', 1)
+    p = {k: v for _, _, ps, _ in res for k, v in ps.items()}
+    for k in params: assert_close(p[k], params[k], what=k)
