@@ -2,10 +2,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
-import torch.distributed as dist
 import torch.distributed.fsdp  # imported once here, so that forked ranks do not each pay for it
 from torch import nn
-from dtnb.launch import launch, world_size, LaunchError
+from dtnb.launch import launch
 from dtnb.ddp import wrap, distributed_loader
 from dtnb.fsdp import state_bytes, full_state_dict, check_optimizer, plan_fsdp
 from dtnb.models import ToyModel, Block, toy_data
@@ -98,21 +97,26 @@ def test_four_ranks_hybrid_2x2():
         assert abs(b['parameters'] / one['parameters'] - 0.5) <= 0.01
 
 
+# The ranks below return the message of the error they catch: when ranks raise, `launch` stops the others as soon as
+# the first one fails, and can then name a rank it stopped instead of the one that raised (a race in dtnb.launch).
 def optimizer_first(check):
     model = ToyModel()
     o = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model = wrap(model, 'fsdp')
-    if check: check_optimizer(model, o)
     x, y = toy_data(16)[:]
-    F.mse_loss(model(x), y).backward()
-    o.step()
+    try:
+        if check: check_optimizer(model, o)
+        F.mse_loss(model(x), y).backward()
+        o.step()
+    except RuntimeError as e: return str(e)
 
 
 @pytest.mark.parametrize('check', [False, True])
 def test_optimizer_built_before_sharding_is_refused(check):
-    with pytest.raises(LaunchError, match=r"the optimizer holds 28 parameter\(s\) that are not the model's \(sharded\) parameters: "
-                                          r"sharding replaced them, so optimizer.step\(\) would train nothing. Build the optimizer after wrap"):
-        launch(optimizer_first, check, nprocs=2)
+    for msg in launch(optimizer_first, check, nprocs=2):
+        assert msg == ("the optimizer holds 28 parameter(s) that are not the model's (sharded) parameters: sharding replaced them, "
+                       "so optimizer.step() would train nothing. Build the optimizer after wrap(model, 'fsdp'), "
+                       "e.g. torch.optim.AdamW(model.parameters())")
 
 
 def optimizer_after():
@@ -132,14 +136,16 @@ def test_optimizer_built_after_sharding_steps():
 
 
 def misuse(case):
-    if case == 'layer': wrap(ToyModel(), 'fsdp', layer_cls='DecoderLayer')
-    if case == 'mesh': wrap(ToyModel(), 'fsdp', mesh=(4, 1))
-    if case == 'dtype': wrap(ToyModel(), 'fsdp', param_dtype='bf17')
-    if case == 'twice': wrap(wrap(ToyModel(), 'fsdp'), 'fsdp')
-    if case == 'meta':
-        with torch.device('meta'): m = nn.Sequential(nn.Linear(2, 2), nn.Module())
-        m[1].w = nn.Parameter(torch.ones(2))
-        wrap(m, 'fsdp')
+    try:
+        if case == 'layer': wrap(ToyModel(), 'fsdp', layer_cls='DecoderLayer')
+        if case == 'mesh': wrap(ToyModel(), 'fsdp', mesh=(4, 1))
+        if case == 'dtype': wrap(ToyModel(), 'fsdp', param_dtype='bf17')
+        if case == 'twice': wrap(wrap(ToyModel(), 'fsdp'), 'fsdp')
+        if case == 'meta':
+            with torch.device('meta'): m = nn.Sequential(nn.Linear(2, 2), nn.Module())
+            m[1].w = nn.Parameter(torch.ones(2))
+            wrap(m, 'fsdp')
+    except (ValueError, TypeError) as e: return str(e)
 
 
 @pytest.mark.parametrize('case,msg', [
@@ -151,8 +157,7 @@ def misuse(case):
     ('meta', "this meta-device model cannot be initialised: 1 (Module) hold parameters or buffers but have no reset_parameters(); pass init=fn"),
 ])
 def test_errors_say_what_to_do(case, msg):
-    with pytest.raises(LaunchError) as e: launch(misuse, case, nprocs=2)
-    assert msg in str(e.value)
+    for err in launch(misuse, case, nprocs=2): assert err is not None and msg in err, err
 
 
 def test_no_process_group():
