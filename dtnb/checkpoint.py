@@ -16,7 +16,7 @@ from .device import md_table, text_table
 
 # %% auto #0
 __all__ = ['FORMAT', 'VERSION', 'MARKER', 'CheckpointError', 'checkpoint_path', 'rng_state', 'set_rng_state', 'ResumableLoader',
-           'resumable', 'save_checkpoint', 'AsyncSave', 'CheckpointList', 'list_checkpoints', 'latest_checkpoint',
+           'resumable', 'AsyncSave', 'save_checkpoint', 'CheckpointList', 'list_checkpoints', 'latest_checkpoint',
            'prune_checkpoints', 'Checkpoint', 'load_checkpoint', 'export_model', 'export_checkpoint', 'load_exported']
 
 # %% ../nbs/04_checkpoint.ipynb #c006
@@ -313,6 +313,45 @@ def _commit(tmp:Path, path:Path, meta:dict, files:dict, keep:int|None):
     if keep: prune_checkpoints(path.parent, keep, protect=path)
 
 # %% ../nbs/04_checkpoint.ipynb #c030
+class AsyncSave:
+    "A checkpoint being written in the background: `wait()`, on every rank, returns its path once it is committed"
+    def __init__(self, path:Path, tmp:Path, meta:dict, future, keep:int|None):
+        self.path, self._tmp, self._meta, self._future, self._keep = path, tmp, meta, future, keep
+        self._committed, self._error = threading.Event(), None
+        _PENDING.append(self)
+        if _rw()[0] == 0: future.add_done_callback(self._commit)
+        else: self._committed.set()
+
+    def _commit(self, fut):
+        "Rank 0, in the writer thread: checksum every file, write the marker, rename"
+        try:
+            fut.result()
+            files = {p.name: [p.stat().st_size, _crc(p)] for p in sorted(self._tmp.iterdir()) if p.is_file() and p.name != MARKER}
+            _commit(self._tmp, self.path, self._meta, files, self._keep)
+        except BaseException as e: self._error = e
+        finally: self._committed.set()
+
+    def done(self) -> bool:
+        "True once the checkpoint is written and (on rank 0) committed"
+        return self._future.done() and self._committed.is_set()
+
+    def wait(self) -> Path:
+        "Wait until the checkpoint is committed (or raise why it was not). A collective"
+        if self in _PENDING: _PENDING.remove(self)
+        problem = None
+        try:
+            self._future.result()
+            self._committed.wait()
+            if self._error is not None: raise self._error
+        except BaseException as e:
+            problem = str(_save_error(self.path, e)) if getattr(e, 'failures', None) else f"background save of {self.path} failed: {type(e).__name__}: {e}"
+            if _rw()[0] == 0: shutil.rmtree(self._tmp, ignore_errors=True)
+        _agree(problem)
+        return self.path
+
+    def __repr__(self): return f"AsyncSave({self.path}, {'done' if self.done() else 'writing'})"
+
+# %% ../nbs/04_checkpoint.ipynb #c031
 def _save_error(path, e):
     "A CheckpointError naming the ranks whose write failed and why (from DCP's CheckpointException)"
     fails = getattr(e, 'failures', None)
@@ -365,7 +404,7 @@ def save_checkpoint(path,                        # directory to create, e.g. che
     _agree(problem)
     return path
 
-# %% ../nbs/04_checkpoint.ipynb #c032
+# %% ../nbs/04_checkpoint.ipynb #c033
 _PENDING, _ASYNC_GROUPS = [], {}
 
 def _async_group():
@@ -378,45 +417,6 @@ def _async_group():
 
 def _wait_pending():
     for a in list(_PENDING): a.wait()
-
-# %% ../nbs/04_checkpoint.ipynb #c033
-class AsyncSave:
-    "A checkpoint being written in the background: `wait()`, on every rank, returns its path once it is committed"
-    def __init__(self, path:Path, tmp:Path, meta:dict, future, keep:int|None):
-        self.path, self._tmp, self._meta, self._future, self._keep = path, tmp, meta, future, keep
-        self._committed, self._error = threading.Event(), None
-        _PENDING.append(self)
-        if _rw()[0] == 0: future.add_done_callback(self._commit)
-        else: self._committed.set()
-
-    def _commit(self, fut):
-        "Rank 0, in the writer thread: checksum every file, write the marker, rename"
-        try:
-            fut.result()
-            files = {p.name: [p.stat().st_size, _crc(p)] for p in sorted(self._tmp.iterdir()) if p.is_file() and p.name != MARKER}
-            _commit(self._tmp, self.path, self._meta, files, self._keep)
-        except BaseException as e: self._error = e
-        finally: self._committed.set()
-
-    def done(self) -> bool:
-        "True once the checkpoint is written and (on rank 0) committed"
-        return self._future.done() and self._committed.is_set()
-
-    def wait(self) -> Path:
-        "Wait until the checkpoint is committed (or raise why it was not). A collective"
-        if self in _PENDING: _PENDING.remove(self)
-        problem = None
-        try:
-            self._future.result()
-            self._committed.wait()
-            if self._error is not None: raise self._error
-        except BaseException as e:
-            problem = str(_save_error(self.path, e)) if getattr(e, 'failures', None) else f"background save of {self.path} failed: {type(e).__name__}: {e}"
-            if _rw()[0] == 0: shutil.rmtree(self._tmp, ignore_errors=True)
-        _agree(problem)
-        return self.path
-
-    def __repr__(self): return f"AsyncSave({self.path}, {'done' if self.done() else 'writing'})"
 
 # %% ../nbs/04_checkpoint.ipynb #c038
 def _incomplete(p:Path, why:str) -> CheckpointError:

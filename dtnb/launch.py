@@ -271,17 +271,17 @@ def _threads_per_rank(nprocs, threads, method):
     return n
 
 # %% ../nbs/01_launch.ipynb #c034
-def _report(procs, tmp, out, hung, timeout):
+def _report(procs, tmp, out, hung, timeout, exited):
     "Raise a LaunchError that names the failed and hung ranks, with their tracebacks or stacks"
     failed = {}
     for r, p in enumerate(procs):
         f = os.path.join(tmp, f'error_{r}.txt')
         if os.path.exists(f): failed[r] = open(f).read()
-        elif p.exitcode not in (0, None) and r not in hung:
+        elif exited[r] not in (0, None) and r not in hung:  # died by itself (not stopped by us): a signal, os._exit, OOM
             failed[r] = f"rank {r} died with exit code {p.exitcode}" + (f" (signal {-p.exitcode})" if p.exitcode < 0 else '') + \
                         ''.join('\n  ' + l for l in out.log.get(r, '').splitlines()[-15:])
     if failed:
-        when = {r: os.path.getmtime(os.path.join(tmp, f'error_{r}.txt')) if os.path.exists(os.path.join(tmp, f'error_{r}.txt')) else 0 for r in failed}
+        when = {r: os.path.getmtime(os.path.join(tmp, f'error_{r}.txt')) if os.path.exists(os.path.join(tmp, f'error_{r}.txt')) else float('inf') for r in failed}
         after = {r for r, tb in failed.items() if _PEER_GONE.search(tb)}  # failed because another rank went away
         cause = sorted(set(failed) - after, key=when.get) or sorted(failed, key=when.get)[:1]
         also = sorted(set(failed) - set(cause))
@@ -382,9 +382,10 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
         hung = _supervise(procs, fds, out, timeout)
         if hung: _collect_stacks(procs, hung, fds, out)
         out.flush()
-        if hung or any(p.exitcode != 0 for p in procs):
+        exited = [p.exitcode for p in procs]  # before we stop anyone: who ended by itself, and how
+        if hung or any(c != 0 for c in exited):
             _stop(procs)
-            raise _report(procs, tmp, out, hung, timeout)
+            raise _report(procs, tmp, out, hung, timeout, exited)
         return [_load(os.path.join(tmp, f'result_{r}.pkl')) for r in range(nprocs)]
     except KeyboardInterrupt:
         _stop(procs)
