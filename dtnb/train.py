@@ -95,7 +95,7 @@ def _micro_step(model, batch, loss_fn, device, precision, scaler, accumulate, la
     x, y = batch
     with _no_sync(model, last):
         with _autocast(device, precision): loss = loss_fn(model(x), y)
-        l = loss / accumulate
+        l = loss / accumulate if accumulate > 1 else loss  # no extra op (and backward node) for the common case
         (scaler.scale(l) if scaler is not None else l).backward()
     return loss.detach()
 
@@ -189,8 +189,9 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
             step_loss = model.step(*(torch.cat(parts) for parts in zip(*group)))
             _opt_step(model, optimizer, None, clip)
         else:
-            step_loss = sum(_micro_step(model, b, loss_fn, device, precision, scaler, accumulate, i == accumulate - 1)
-                            for i, b in enumerate(group)) / accumulate
+            micro = [_micro_step(model, b, loss_fn, device, precision, scaler, accumulate, i == accumulate - 1)
+                     for i, b in enumerate(group)]
+            step_loss = micro[0] if accumulate == 1 else sum(micro) / accumulate
             _opt_step(model, optimizer, scaler, clip)
         if scheduler is not None: scheduler.step()
         losses.append(torch.as_tensor(step_loss).detach())
