@@ -89,6 +89,10 @@ def test_outputs_and_plots_are_visible(site, browser):
     outputs = page.evaluate("document.querySelectorAll('.output_area').length")
     assert outputs >= 5, "code outputs missing: was the site built from executed notebooks?"
     page.close()
+    page, _, _ = visit(browser, site + 'tutorials/pipelines.html')  # the schedule timelines are matplotlib plots
+    sizes = page.evaluate("[...document.images].map(i => [i.naturalWidth, i.naturalHeight])")
+    assert len(sizes) >= 1 and all(w > 200 and h > 100 for w, h in sizes), sizes
+    page.close()
 
 
 def test_screenshots_kept_as_artifacts(site, browser):
