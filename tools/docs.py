@@ -299,7 +299,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('cmd', choices=['readme', 'check-readme', 'build'])
     ap.add_argument('--workers', type=int, default=2)
-    ap.add_argument('--no-exec', action='store_true', help="render without executing (no code outputs)")
+    ap.add_argument('--no-exec', action='store_true', help="render the outputs saved in the notebooks (e.g. by nbdev-test --save) instead of executing them")
     a = ap.parse_args(argv)
     os.chdir(ROOT)
     if a.cmd == 'readme':
