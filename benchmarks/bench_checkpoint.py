@@ -19,7 +19,7 @@ def _model(d, depth):
 
 
 def _bench(root, d, depth, repeats):
-    from dtnb.launch import rank, barrier
+    from dtnb.launcher import rank, barrier
     from dtnb.ddp import wrap
     import torch.distributed.checkpoint as dcp
     from dtnb.checkpoint import save_checkpoint, load_checkpoint, export_model, checkpoint_path, _crc, _state
@@ -69,7 +69,7 @@ def main():
     ap.add_argument('--d', type=int, default=512); ap.add_argument('--depth', type=int, default=8)
     ap.add_argument('--repeats', type=int, default=3); ap.add_argument('--dir', default=None)
     a = ap.parse_args()
-    from dtnb.launch import launch
+    from dtnb.launcher import launch
     n = sum(p.numel() for p in _model(a.d, a.depth).parameters())
     root = tempfile.mkdtemp(prefix='dtnb-bench-ckpt-', dir=a.dir)
     try: r = launch(_bench, root, a.d, a.depth, a.repeats, nprocs=2)[0]

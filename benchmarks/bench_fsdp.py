@@ -8,7 +8,7 @@ import argparse, gc, statistics, time
 import torch
 import torch.nn.functional as F
 import torch.distributed.fsdp  # once in the parent: forked ranks inherit it
-from dtnb.launch import launch
+from dtnb.launcher import launch
 from dtnb.ddp import wrap, distributed_loader
 from dtnb.fsdp import state_bytes
 from dtnb.models import ToyModel, toy_data

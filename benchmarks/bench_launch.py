@@ -7,7 +7,7 @@ DDP steps/s through dtnb (wrap + distributed_loader + fit) ≥ 0.98× hand-writt
 import argparse, statistics, time
 import torch, torch.distributed as dist
 import torch.multiprocessing as tmp
-from dtnb.launch import launch, usable_cores
+from dtnb.launcher import launch, usable_cores
 
 
 def trivial(*_):

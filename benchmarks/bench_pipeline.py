@@ -12,7 +12,7 @@ import argparse, statistics, time
 import torch
 from torch import nn
 import torch.distributed.pipelining  # once, before the ranks fork
-from dtnb.launch import launch
+from dtnb.launcher import launch
 from dtnb.models import ToyModel, toy_data
 from dtnb.pipeline import pipeline, simulate_schedule, bubble_fraction, schedule_name, SCHEDULES
 

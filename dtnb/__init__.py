@@ -1,38 +1,42 @@
 __version__ = "0.1.0"
 
-# The public API, imported on first use so that `import dtnb` stays cheap (heavy torch.distributed
-# submodules load only when the feature that needs them runs). Hand-written: nbdev only updates `__version__`.
-_API = {
-    'detect': 'device', 'DeviceReport': 'device', 'parse_launch_env': 'device', 'LaunchEnv': 'device',
-    'ToyModel': 'models', 'toy_data': 'models', 'toy_sequences': 'models',
-    'launch': 'launch', 'LaunchError': 'launch', 'init_distributed': 'launch', 'shutdown': 'launch', 'rank': 'launch',
-    'world_size': 'launch', 'local_rank': 'launch', 'is_main': 'launch', 'barrier': 'launch', 'rank0_first': 'launch',
-    'current_device': 'launch',
-    'wrap': 'ddp', 'distributed_loader': 'ddp',
-    'fit': 'train', 'FitResult': 'train',
-    'estimate_memory': 'memory', 'recommend': 'memory', 'measure_memory': 'memory', 'trace_activations': 'memory',
-    'memory_explorer': 'memory', 'TransformerShape': 'memory', 'MemoryEstimate': 'memory', 'MemoryPlan': 'memory',
-    'MemoryMeasurement': 'memory',
-    'report': 'report',
-    'pipeline': 'pipeline', 'Pipeline': 'pipeline', 'split_model': 'pipeline', 'PipelineSplit': 'pipeline',
-    'PipelineTimeline': 'pipeline', 'PipelineTimelines': 'pipeline', 'simulate_schedule': 'pipeline',
-    'schedule_order': 'pipeline', 'bubble_fraction': 'pipeline',
-    'bench_matmul': 'bench', 'bench_memory': 'bench', 'bench_collectives': 'bench', 'bench_model': 'bench',
-    'bench_scaling': 'bench', 'bench_all': 'bench', 'cost_per_experiment': 'bench', 'BenchResult': 'bench', 'time_fn': 'bench',
-    'full_state_dict': 'fsdp', 'check_optimizer': 'fsdp', 'find_blocks': 'fsdp',
-    'profile_loader': 'data', 'input_bound': 'data', 'tune_loader': 'data', 'loader_report': 'data',
-    'SyntheticDataset': 'data', 'StepTimer': 'data',
-    'save_checkpoint': 'checkpoint', 'load_checkpoint': 'checkpoint', 'latest_checkpoint': 'checkpoint',
-    'list_checkpoints': 'checkpoint', 'checkpoint_path': 'checkpoint', 'resumable': 'checkpoint',
-    'export_model': 'checkpoint', 'export_checkpoint': 'checkpoint', 'load_exported': 'checkpoint',
-    'CheckpointError': 'checkpoint',
-    'Degrees': 'parallel', 'parallelize': 'parallel', 'tp_plan': 'parallel', 'apply_tp': 'parallel', 'data_rank': 'parallel',
-}
+# The public API, imported on first use so that `import dtnb` stays cheap (heavy torch.distributed submodules load
+# only when the feature that needs them runs). Hand-written: nbdev only updates `__version__`.
+# Each name is looked up in nbdev's index of the exported modules (`_modidx`), so a definition can move between
+# notebooks without touching this file. No submodule shares a name with a public function (tests/test_api.py).
+_API = '''
+    detect DeviceReport parse_launch_env LaunchEnv
+    ToyModel TinyTransformer toy_data toy_sequences find_blocks
+    launch LaunchError init_distributed shutdown rank world_size local_rank is_main barrier rank0_first current_device
+    wrap distributed_loader
+    full_state_dict check_optimizer
+    pipeline Pipeline split_model PipelineSplit PipelineTimeline PipelineTimelines simulate_schedule
+    schedule_order bubble_fraction
+    Degrees parallelize tp_plan apply_tp data_rank
+    estimate_memory recommend measure_memory trace_activations memory_explorer TransformerShape MemoryEstimate
+    MemoryPlan MemoryMeasurement
+    save_checkpoint load_checkpoint latest_checkpoint list_checkpoints checkpoint_path resumable
+    export_model export_checkpoint load_exported CheckpointError
+    fit FitResult
+    profile_loader input_bound tune_loader loader_report SyntheticDataset StepTimer
+    bench_matmul bench_memory bench_collectives bench_model bench_scaling bench_all cost_per_experiment BenchResult
+    time_fn
+    report
+'''.split()
+
+def _module_of(name):
+    "The dtnb submodule that defines `name`, from nbdev's index"
+    from ._modidx import d
+    return next((m for m, syms in d['syms'].items() if f'{m}.{name}' in syms), None)
 
 def __getattr__(name):
-    mod = _API.get(name)
-    if mod is None: raise AttributeError(f"module 'dtnb' has no attribute {name!r}")
     import importlib
-    return getattr(importlib.import_module(f'dtnb.{mod}'), name)
+    if name in _API:
+        mod = _module_of(name)
+        if mod is None: raise AttributeError(f"dtnb.{name} is listed in dtnb._API but no module defines it")
+        return getattr(importlib.import_module(mod), name)
+    from ._modidx import d
+    if f'dtnb.{name}' in d['syms']: return importlib.import_module(f'dtnb.{name}')  # a submodule
+    raise AttributeError(f"module 'dtnb' has no attribute {name!r}")
 
-def __dir__(): return sorted(list(globals()) + list(_API))
+def __dir__(): return sorted(list(globals()) + _API)

@@ -465,7 +465,7 @@ def _time_collective(op, c, pools, iters, warmup, device):
 def collective_rank(ops:list, sizes:list, dtype:str='fp32', iters:int=20, warmup:int=5, progress:bool=False) -> list[dict]:
     "Run inside every rank of an initialised process group: time and verify each collective at each size"
     import torch.distributed as dist
-    from dtnb.launch import current_device
+    from dtnb.launcher import current_device
     rank, n, device, dt = dist.get_rank(), dist.get_world_size(), current_device(), _DTYPES[dtype]
     cases = [(op, s, collective_counts(op, s, n, dt.itemsize)) for op in ops for s in sizes]
     cases = [x for x in cases if x[2]['count'] > 0]   # too small to split over n ranks
@@ -507,7 +507,7 @@ def bench_collectives(ops:list|None=None,   # some of COLLECTIVES (default: all)
                       nprocs:int=2, dtype:str='fp32', iters:int=20, warmup:int=5, quick:bool=False,
                       timeout:float|None=300, progress:bool=True) -> BenchResult:
     "Time, algbw, busbw and #wrong of each collective over `nprocs` local ranks, as nccl-tests reports them"
-    from dtnb.launch import launch
+    from dtnb.launcher import launch
     ops = list(ops or COLLECTIVES)
     for op in ops: busbw_factor(op, max(nprocs, 1))
     if nprocs < 2: raise ValueError(f"Collectives need at least 2 ranks, got nprocs={nprocs}")
@@ -647,7 +647,7 @@ def predict_sync_seconds(strategy:str, nbytes:float, n:int, busbw_gbs:float) -> 
 # %% ../nbs/06_bench.ipynb #c101
 def scaling_rank(model_fn, batch, strategy:str='ddp', steps:int=10, warmup:int=3, loss_fn=None, amp=None) -> dict:
     "Run inside every rank: median step time of `model_fn()` wrapped for `strategy`, and for DDP without gradient sync"
-    from dtnb.launch import current_device, world_size
+    from dtnb.launcher import current_device, world_size
     device, n = current_device(), world_size()
     torch.manual_seed(0)
     model = model_fn().to(device)
@@ -692,7 +692,7 @@ def bench_scaling(model_fn,                 # builds a fresh model in each rank 
                   busbw:float|dict|None=None,  # all-reduce GB/s ({nprocs: GB/s} or one number); None measures it
                   timeout:float|None=600, progress:bool=True) -> BenchResult:
     "Throughput at each number of ranks, scaling efficiency, and sync time predicted from busbw beside the measured overhead"
-    from dtnb.launch import launch
+    from dtnb.launcher import launch
     predict_sync_seconds(strategy, 0, 1, 1.0)   # checks the strategy
     if strategy == 'fsdp' and importlib.util.find_spec('dtnb.fsdp') is None:
         raise ValueError("strategy='fsdp' needs dtnb.fsdp, which this installation of dtnb does not have: use strategy='ddp'")

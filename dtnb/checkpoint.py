@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 from torch import nn
-from .launch import current_device
+from .launcher import current_device
 from .device import md_table, text_table
 
 # %% auto #0

@@ -28,7 +28,7 @@ def _split_launch_args(rest):
 
 def _launch(args):
     import os, subprocess
-    from dtnb.launch import torchrun_command
+    from dtnb.launcher import torchrun_command
     tr, script, script_args = _split_launch_args(args.rest)
     if not os.path.exists(script): raise ValueError(f"script {script!r} not found")
     cmd, env = torchrun_command(args.nprocs, script, script_args, tr)
@@ -37,7 +37,7 @@ def _launch(args):
 
 # %% ../nbs/10_cli.ipynb #c009
 def _report(args):
-    from dtnb.report import report
+    from dtnb.reporting import report
     rep = report(out=args.out, quick=args.quick, model=args.model, sections=args.sections)
     print(rep)
     print(f"\nwrote {args.out}/report.md, report.html, results.json and plots", file=sys.stderr)

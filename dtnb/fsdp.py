@@ -11,8 +11,9 @@ from dataclasses import dataclass, asdict
 import torch
 from torch import nn
 from .device import md_table, text_table
-from .launch import world_size, current_device, _accelerator
-from .ddp import _need_group
+from .launcher import world_size, current_device
+from .utils import accelerator_type
+from .utils import require_group
 
 # %% auto #0
 __all__ = ['find_blocks', 'shard_units', 'ShardPlan', 'plan_fsdp', 'check_optimizer', 'apply_fsdp', 'state_bytes',
@@ -205,7 +206,7 @@ def apply_fsdp(model:nn.Module,
               ) -> nn.Module:
     "Shard `model` with FSDP2: each repeated block, then the root; returns the model to train (build the optimizer after)"
     from torch.distributed.fsdp import fully_shard, FSDPModule, MixedPrecisionPolicy, CPUOffloadPolicy, OffloadPolicy
-    _need_group("wrap(model, 'fsdp')")
+    require_group("wrap(model, 'fsdp')")
     if isinstance(model, FSDPModule): raise ValueError(f"this model is already sharded ({type(model).__name__}): wrap the original model once")
     if isinstance(model, nn.parallel.DistributedDataParallel): raise ValueError("wrap the plain model with 'fsdp', not a DistributedDataParallel")
     dev = torch.device(device) if device is not None else current_device()
@@ -217,7 +218,7 @@ def apply_fsdp(model:nn.Module,
     if param_dtype is not None and reduce_dtype is None: reduce_dtype = torch.float32
     kw = dict(mesh=_mesh(mesh, dev.type), reshard_after_forward=reshard_after_forward,
               mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-              offload_policy=CPUOffloadPolicy(pin_memory=_accelerator() is not None) if cpu_offload else OffloadPolicy())
+              offload_policy=CPUOffloadPolicy(pin_memory=accelerator_type() is not None) if cpu_offload else OffloadPolicy())
     units = shard_units(model, layer_cls)
     before = list(model.parameters())
     for name in units: fully_shard(model.get_submodule(name), **kw)

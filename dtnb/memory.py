@@ -538,7 +538,7 @@ def _make_optimizer(params, optimizer, lr):
 # %% ../nbs/03_memory.ipynb #c103
 def _apply_strategy(model, strategy, units):
     "`model` ready to train under `strategy` on this rank's device"
-    from dtnb.launch import current_device
+    from dtnb.launcher import current_device
     if strategy == 'single': return model.to(current_device())
     from dtnb.ddp import wrap
     if strategy == 'ddp': return wrap(model, 'ddp')
@@ -561,7 +561,7 @@ def _loss(out):
 def _measure_step(model, batch, strategy, optimizer, precision, loss_fn, units, lr):
     "One real training step on this rank; returns the measured bytes per component"
     import torch, torch.distributed as dist
-    from dtnb.launch import current_device
+    from dtnb.launcher import current_device
     dev = current_device()
     acc = torch.accelerator if dev.type != 'cpu' else None
     if acc: acc.synchronize(); acc.reset_peak_memory_stats(); m0 = acc.memory_allocated()
@@ -644,7 +644,7 @@ def measure_memory(model, # the `nn.Module` to train one step (a copy is trained
     args = (batch, s, optimizer, precision, loss_fn, units, lr)
     if world_size == 1: measured = [_measure_step(copy.deepcopy(model), *args)]
     else:
-        from dtnb.launch import launch
+        from dtnb.launcher import launch
         measured = launch(_measure_step, model, *args, nprocs=world_size, timeout=timeout)
     trace = trace_activations(model, batch, loss_fn, precision, units)
     ests = [estimate_memory(model, s, world_size, optimizer, precision, activations=trace, units=units, rank=r) for r in range(world_size)]

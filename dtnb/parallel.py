@@ -11,8 +11,9 @@ from dataclasses import dataclass, asdict
 import torch
 from torch import nn
 from .device import md_table, text_table
-from .launch import current_device, world_size
-from .ddp import wrap, _need_group
+from .launcher import current_device, world_size
+from .ddp import wrap
+from .utils import require_group
 from .pipeline import Pipeline, pipeline_stages, Skip
 
 # %% auto #0
@@ -213,7 +214,7 @@ def parallelize(model:nn.Module,
                 balance:str='params', example=None, # pipeline options: see `pipeline`
                 device=None):                    # default: this rank's device
     "Apply the parallelisms `degrees` turns on to `model`: pipeline split, activation checkpointing, tensor parallel, then FSDP or DDP"
-    _need_group("parallelize(model, degrees)")
+    require_group("parallelize(model, degrees)")
     degrees = degrees.resolve()
     dev = torch.device(device) if device is not None else current_device()
     if sequence_parallel and not degrees.tp_enabled: raise ValueError("sequence_parallel=True splits activations over the tensor-parallel ranks: it needs tp > 1")

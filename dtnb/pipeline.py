@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from .device import md_table, text_table
-from .launch import current_device
-from .ddp import _need_group
+from .launcher import current_device
+from .utils import require_group
 
 # %% auto #0
 __all__ = ['SCHEDULES', 'pipeline_units', 'Skip', 'stage_module', 'balance_bounds', 'unit_times', 'PipelineSplit', 'split_model',
@@ -596,7 +596,7 @@ def pipeline_stages(model:nn.Module, n_stages=None, split_points=None, schedule:
                     example=None, group=None) -> tuple:
     "Cut `model` for the pipeline ranks of `group`: returns (split, this rank's stage indices, their modules)"
     import torch.distributed as dist
-    _need_group("pipeline(model, ...)")
+    require_group("pipeline(model, ...)")
     name, group = schedule_name(schedule), group or dist.group.WORLD
     p, r = dist.get_world_size(group), dist.get_rank(group)
     if n_stages is None and split_points is None: n_stages = p if SCHEDULES[name][1] == 'one' else 2 * p

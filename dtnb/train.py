@@ -10,7 +10,7 @@ import time, math, contextlib
 from dataclasses import dataclass, field, asdict
 import torch
 from torch import nn
-from .launch import world_size, is_main, current_device
+from .launcher import world_size, is_main, current_device
 from .device import md_table, text_table
 from .fsdp import check_optimizer
 from .checkpoint import resumable, latest_checkpoint, load_checkpoint, save_checkpoint, checkpoint_path

@@ -10,7 +10,7 @@ parameters agree whatever the number of ranks. The main rank prints one JSON lin
 """
 import argparse, json
 import torch
-from dtnb.launch import init_distributed, shutdown, is_main, world_size
+from dtnb.launcher import init_distributed, shutdown, is_main, world_size
 from dtnb.ddp import wrap, distributed_loader
 from dtnb.models import ToyModel, toy_data
 from dtnb.train import fit

@@ -6,7 +6,7 @@ from dtnb.bench import (bench_matmul, bench_collectives, bench_scaling, bench_al
                         collective_counts, collective_sizes, expected_output, predict_sync_seconds, BenchResult, COLLECTIVES,
                         matmul_flops, cache_bytes, _matmul_case, _pool, _threads)
 from dtnb.models import ToyModel
-from dtnb.launch import launch
+from dtnb.launcher import launch
 
 
 def test_matmul_agrees_with_torch_utils_benchmark():

@@ -22,7 +22,7 @@ def _run(args, timeout=240):
 
 def test_sigkill_restart_resumes_bitwise(tmp_path):
     "One rank SIGKILLs itself at step 7 of 12; torchrun restarts the group; fit resumes at 6; the end equals a clean run"
-    from dtnb.launch import launch
+    from dtnb.launcher import launch
     from dtnb.checkpoint import load_exported, list_checkpoints
     sys.path.insert(0, str(ROOT / 'tests' / 'scripts'))
     from train_ckpt import train
@@ -66,7 +66,7 @@ def _pipeline_load(schedule, ckdir, out):
 
 def test_pipeline_resumes_bitwise_and_loads_in_any_split(tmp_path):
     "Interleaved pipeline (two stages per rank): stop at 5, resume to 10 = 10 straight; the checkpoint loads on one process and in another split"
-    from dtnb.launch import launch
+    from dtnb.launcher import launch
     from dtnb.models import ToyModel
     from dtnb.checkpoint import load_checkpoint, load_exported
     ck = str(tmp_path / 'ck')

@@ -5,7 +5,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 from dtnb.data import (SyntheticDataset, SyntheticIterable, SampleError, burn_cpu, input_bound, loader_trial, profile_loader,
                        tune_loader, worker_limits, measure_sample_cost, RankStepProfiles, StepProfile, loader_report)
-from dtnb.launch import launch
+from dtnb.launcher import launch
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 import torch.distributed.fsdp  # imported once here, so that forked ranks do not each pay for it
 from torch import nn
-from dtnb.launch import launch
+from dtnb.launcher import launch
 from dtnb.ddp import wrap, distributed_loader
 from dtnb.fsdp import state_bytes, full_state_dict, check_optimizer, plan_fsdp
 from dtnb.models import ToyModel, Block, toy_data

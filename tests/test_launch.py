@@ -47,7 +47,7 @@ def kernel_children(km):
 
 SETUP = '''
 import torch, torch.distributed as dist, time
-from dtnb.launch import launch, rank, world_size, LaunchError
+from dtnb.launcher import launch, rank, world_size, LaunchError
 def train(k):
     t = torch.full((2,), float(rank() + 1)); dist.all_reduce(t)
     print(f"rank {rank()} of {world_size()} sees {t.tolist()}")
@@ -139,7 +139,7 @@ def test_dtnb_launch_trains_and_equals_one_process():
 
 
 def test_two_nodes_on_loopback():
-    from dtnb.launch import free_port
+    from dtnb.launcher import free_port
     port = free_port()
     node = lambda i: subprocess.Popen(
         [DTNB, 'launch', '-n', '1', '--nnodes=2', f'--node-rank={i}', '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{port}',
@@ -162,7 +162,7 @@ def test_cli_launch_bad_input_is_fast():
 
 
 def test_launch_in_process_leaves_nothing():
-    from dtnb.launch import launch, LaunchError
+    from dtnb.launcher import launch, LaunchError
     import torch.distributed as dist, torch
     def f(): return dist.get_world_size()
     assert launch(f, nprocs=3) == [3, 3, 3]

@@ -199,7 +199,7 @@ def test_errors_say_what_to_do(call, msg):
 
 def test_rank_error_in_a_real_step_is_reported():
     "A model whose forward fails on the ranks: launch reports the rank's error instead of hanging"
-    from dtnb.launch import LaunchError
+    from dtnb.launcher import LaunchError
     with pytest.raises(LaunchError) as e:
         measure_memory(ToyModel(d_in=16), torch.randn(4, 7), 'ddp', 2, timeout=60)  # wrong input width
     assert 'mat1 and mat2 shapes cannot be multiplied' in str(e.value)

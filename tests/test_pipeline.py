@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 import torch.distributed.pipelining, torch.distributed.tensor.parallel, torch.distributed.fsdp  # once, before the ranks fork
-from dtnb.launch import launch, LaunchError
+from dtnb.launcher import launch, LaunchError
 from dtnb.models import ToyModel, Block, toy_data, toy_sequences
 from dtnb.pipeline import (pipeline, split_model, pipeline_units, balance_bounds, schedule_order, simulate_schedule,
                            bubble_fraction, SCHEDULES, Pipeline)

@@ -9,7 +9,7 @@ complete checkpoint. The main rank writes the final parameters to `--out` and pr
 import argparse, json, os, signal
 import torch
 from torch import nn
-from dtnb.launch import init_distributed, shutdown, rank, is_main, world_size
+from dtnb.launcher import init_distributed, shutdown, rank, is_main, world_size
 from dtnb.ddp import wrap, distributed_loader
 from dtnb.models import ToyModel, toy_data
 from dtnb.train import fit
