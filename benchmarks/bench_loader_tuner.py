@@ -9,19 +9,11 @@ prefetch_factor {2, 4} × in_order (× pin_memory with an accelerator). When bot
 defaults filled in) it is measured once for both. Other jobs on the machine make timings noisy: the free cores are
 measured before and after each set and printed with it.
 """
-import argparse, json, multiprocessing as mp, statistics, time
+import argparse, json, statistics
 import torch
-from dtnb.data import SyntheticDataset, tune_loader, loader_trial, burn_cpu
+from dtnb.data import SyntheticDataset, cores_free
+from dtnb.tune import tune_loader, loader_trial
 from dtnb.device import detect
-
-
-def cores_free(ms=300):
-    "Cores this process group gets now: CPU time over wall time of two forked processes burning CPU (2.0 on two idle cores)"
-    ps = [mp.get_context('fork').Process(target=burn_cpu, args=(ms,)) for _ in range(2)]
-    t = time.perf_counter()
-    for p in ps: p.start()
-    for p in ps: p.join()
-    return 2 * ms / 1e3 / (time.perf_counter() - t)
 
 
 def settings(s): return ', '.join(f"{k}={v}" for k, v in s.items())

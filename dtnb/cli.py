@@ -95,7 +95,8 @@ def _add_bench(sub):
 
 # %% ../nbs/10_cli.ipynb #c015
 def _loader(args):
-    from dtnb.data import SyntheticDataset, loader_report
+    from dtnb.data import SyntheticDataset
+    from dtnb.tune import loader_report
     ds = SyntheticDataset(1024 if args.quick else 4096, cost_ms=args.cost_ms, mode=args.mode)
     r = loader_report(ds, batch_size=args.batch_size, quick=args.quick)
     print(json.dumps(r.to_dict(), indent=2) if args.json else r)

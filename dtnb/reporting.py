@@ -101,7 +101,8 @@ def training_section(quick=True, nprocs=2, model=None, **_) -> Section:
 # %% ../nbs/07_reporting.ipynb #7dc04212
 def loader_section(quick=True, **_) -> Section:
     "Is training input-bound on a CPU-heavy dataset, and which loader settings fix it"
-    from dtnb.data import SyntheticDataset, loader_report
+    from dtnb.data import SyntheticDataset
+    from dtnb.tune import loader_report
     ds = SyntheticDataset(1024 if quick else 4096, cost_ms=2.0)
     r = loader_report(ds, batch_size=32, quick=quick, progress=False)
     return Section('Data loader: input-bound?', r._repr_markdown_(), str(r), r.to_dict())

@@ -1,10 +1,11 @@
 "Loader profiling, the input-bound verdict and the tuner, on real DataLoaders with real worker processes and real ranks"
-import multiprocessing as mp, statistics, time
+import statistics, time
 import psutil, pytest, torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
-from dtnb.data import (SyntheticDataset, SyntheticIterable, SampleError, burn_cpu, input_bound, loader_trial, profile_loader,
-                       tune_loader, worker_limits, measure_sample_cost, RankStepProfiles, StepProfile, loader_report)
+from dtnb.data import SyntheticDataset, SyntheticIterable, SampleError, cores_free, profile_loader
+from dtnb.steps import input_bound, RankStepProfiles, StepProfile
+from dtnb.tune import loader_trial, tune_loader, worker_limits, measure_sample_cost, loader_report
 from dtnb.launcher import launch
 
 
@@ -20,15 +21,6 @@ def children():
     """Child processes left behind (multiprocessing's own resource tracker, which spawn starts once, is not ours); no gc first:
     workers must be stopped explicitly, not when the garbage collector frees an iterator held by a traceback"""
     return [c for c in psutil.Process().children(recursive=True) if 'resource_tracker' not in ' '.join(c.cmdline())]
-
-
-def cores_free(ms=300):
-    "Cores this process group gets right now: CPU time over wall time of two forked processes burning CPU (2.0 when idle)"
-    ps = [mp.get_context('fork').Process(target=burn_cpu, args=(ms,)) for _ in range(2)]
-    t = time.perf_counter()
-    for p in ps: p.start()
-    for p in ps: p.join()
-    return 2 * ms / 1e3 / (time.perf_counter() - t)
 
 
 def side_by_side(ds, bs, best, rounds=3, trial_s=0.8):
