@@ -1,4 +1,4 @@
-"""dtnb.bench against references, side by side in one run. Prints figures; not a test.
+"""dtnb.bench, dtnb.collectives and dtnb.throughput against references, side by side in one run. Prints figures; not a test.
 
     python benchmarks/bench_suite.py [--full]
 
@@ -12,8 +12,9 @@
 """
 import argparse, functools, itertools, statistics, time, tempfile
 import torch, torch.utils.benchmark as tbench
-from dtnb.bench import (bench_matmul, bench_memory, bench_collectives, bench_model, bench_scaling, bench_all, matmul_flops,
-                        cache_bytes, time_fn, _threads, _matmul_case, _pool)
+from dtnb.bench import bench_matmul, bench_memory, matmul_flops, cache_bytes, time_fn, _threads, _matmul_case, _pool
+from dtnb.collectives import bench_collectives
+from dtnb.throughput import bench_model, bench_scaling, bench_all
 from dtnb.models import ToyModel
 
 

@@ -81,7 +81,7 @@ def _add_plan(sub):
 
 # %% ../nbs/10_cli.ipynb #c013
 def _bench(args):
-    from dtnb.bench import bench_all
+    from dtnb.throughput import bench_all
     bench_all(quick=args.quick, out=args.out, only=args.only)
     return 0
 

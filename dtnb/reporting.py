@@ -112,7 +112,7 @@ def bench_section(quick=True, **_) -> Section:
     "Matmul, memory, collectives, model throughput and scaling on this machine"
     import matplotlib; matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    from dtnb.bench import bench_all
+    from dtnb.throughput import bench_all
     results = bench_all(quick=quick, progress=False, print_fn=lambda *a: None)
     figs = {}
     for r in results:

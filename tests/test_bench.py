@@ -2,11 +2,14 @@
 import json, math, statistics, functools, time, itertools
 import pytest, torch
 import torch.utils.benchmark as tbench
-from dtnb.bench import (bench_matmul, bench_collectives, bench_scaling, bench_all, time_fn, busbw_factor, busbw, algbw,
-                        collective_counts, collective_sizes, expected_output, predict_sync_seconds, BenchResult, COLLECTIVES,
-                        matmul_flops, cache_bytes, _matmul_case, _pool, _threads)
+from dtnb.bench import bench_matmul, time_fn, BenchResult, matmul_flops, cache_bytes, _matmul_case, _pool, _threads
+from dtnb.collectives import (bench_collectives, busbw_factor, busbw, algbw, collective_counts, collective_sizes,
+                              expected_output, COLLECTIVES)
+from dtnb.throughput import bench_scaling, bench_all, predict_sync_seconds
 from dtnb.models import ToyModel
-from dtnb.launcher import launch
+from dtnb.launcher import launch, default_backend
+from dtnb.device import usable_cores
+from dtnb.utils import default_device
 
 
 def test_matmul_agrees_with_torch_utils_benchmark():
@@ -64,7 +67,7 @@ def test_bus_bandwidth_is_nccl_tests_definition(n):
 def _run_each(ops, numel, seed):
     "Inside a rank: each collective on this rank's random input; returns {op: (input, output)}"
     import torch.distributed as dist
-    from dtnb.bench import _run_collective
+    from dtnb.collectives import _run_collective
     r, n = dist.get_rank(), dist.get_world_size()
     out = {}
     for op in ops:
@@ -77,8 +80,8 @@ def _run_each(ops, numel, seed):
 
 def test_collectives_match_a_single_process_reference():
     "Each collective on 2 gloo ranks with random data equals the same operation done in one process on all inputs"
-    n = 2
-    res = launch(_run_each, list(COLLECTIVES), 48, 7, nprocs=n, timeout=120)
+    n = 2   # the subject is what each collective computes: CPU tensors, so gloo whatever the machine has
+    res = launch(_run_each, list(COLLECTIVES), 48, 7, nprocs=n, timeout=120, backend='gloo')
     for op in COLLECTIVES:
         ins = [res[r][op][0] for r in range(n)]
         for r in range(n):
@@ -87,9 +90,10 @@ def test_collectives_match_a_single_process_reference():
             torch.testing.assert_close(res[r][op][1], want, msg=f"{op} on rank {r}")
 
 
-def test_bench_collectives_on_two_gloo_ranks():
+def test_bench_collectives_on_two_ranks():
+    "Two ranks of this machine's backend: gloo on a CPU, nccl on NVIDIA GPUs"
     r = bench_collectives(sizes=collective_sizes(8, 2**14), nprocs=2, iters=3, warmup=1, progress=False)
-    assert r.summary['#wrong'] == 0 and r.config['backend'] == 'gloo'
+    assert r.summary['#wrong'] == 0 and r.config['backend'] == default_backend()
     assert [x['size'] for x in r.rows if x['op'] == 'all_reduce'] == collective_sizes(8, 2**14)
     for x in r.rows:
         assert x['seconds'] > 0 and x['busbw'] == pytest.approx(busbw(x['op'], x['size'], x['seconds'], 2))
@@ -98,9 +102,10 @@ def test_bench_collectives_on_two_gloo_ranks():
 
 
 def _corrupt(*args):
-    from dtnb import bench, launch as L
-    if L.rank() == 1: bench._pattern = lambda r, pos: 2 + r + pos % 7   # rank 1 sends data off by one
-    return bench.collective_rank(*args)
+    from dtnb import collectives
+    from dtnb.launcher import rank
+    if rank() == 1: collectives._pattern = lambda r, pos: 2 + r + pos % 7   # rank 1 sends data off by one
+    return collectives.collective_rank(*args)
 
 def test_wrong_data_is_counted():
     res = launch(_corrupt, ['all_reduce', 'broadcast'], [64], 'fp32', 2, 1, nprocs=2, timeout=120)
@@ -116,7 +121,7 @@ def test_bad_arguments_fail_fast():
     with pytest.raises(ValueError, match="use sizes >= 16 bytes"): bench_collectives(['all_gather'], sizes=[4, 8], nprocs=4)
 
 
-def test_scaling_with_ddp_on_gloo_ranks():
+def test_scaling_with_ddp_on_local_ranks():
     toy = functools.partial(ToyModel, d_in=32, d=64, depth=2, d_out=4)
     r = bench_scaling(toy, (torch.randn(16, 32), torch.randn(16, 4)), nprocs=(1, 2), steps=4, warmup=1, progress=False)
     one, two = r.rows
@@ -125,7 +130,9 @@ def test_scaling_with_ddp_on_gloo_ranks():
     assert two['predicted_ms'] == pytest.approx(predict_sync_seconds('ddp', grad, 2, two['busbw']) * 1e3)
     assert two['samples_s'] == pytest.approx(32 / (two['step_ms'] / 1e3))
     assert two['efficiency'] == pytest.approx(100 * two['samples_s'] / (2 * one['samples_s']))
-    assert two['overhead_ms'] is not None and r.config['threads_per_rank'] == 1
+    assert two['overhead_ms'] is not None
+    cpu = default_device().type == 'cpu'   # CPU ranks share the usable cores equally (1 each on 2 cores); GPU ranks: None
+    assert r.config['threads_per_rank'] == (max(1, usable_cores() // 2) if cpu else None)
 
 
 def test_bench_all_saves_json_and_png(tmp_path):
@@ -133,4 +140,4 @@ def test_bench_all_saves_json_and_png(tmp_path):
     res = bench_all(quick=True, out=tmp_path, only=['matmul', 'collectives'], progress=False, print_fn=lines.append)
     assert sorted(p.name for p in tmp_path.iterdir()) == ['collectives.json', 'collectives.png', 'matmul.json', 'matmul.png']
     assert BenchResult.load(tmp_path / 'matmul.json') == res[0]
-    assert lines[0].startswith('dtnb bench matmul on cpu') and 'busbw (GB/s)' in lines[1]
+    assert lines[0].startswith(f'dtnb bench matmul on {default_device()}') and 'busbw (GB/s)' in lines[1]
