@@ -2,37 +2,18 @@
 formula vs trace, and what a trace of a model too big for this machine costs. Run: python benchmarks/bench_memory.py"""
 import resource, sys, time
 import torch, torch.nn as nn, torch.nn.functional as F
-from dtnb.device import text_table
-from dtnb.memory import estimate_memory, measure_memory, trace_activations, TransformerShape, fmt_bytes
-from dtnb.models import ToyModel
-
-
-class GPTBlock(nn.Module):
-    "Korthikanti et al.'s transformer layer (eager attention, 1-byte dropout masks)"
-    def __init__(self, h, a):
-        super().__init__(); self.a = a
-        self.ln1, self.qkv, self.proj = nn.LayerNorm(h), nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.ln2, self.fc1, self.fc2 = nn.LayerNorm(h), nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-    def forward(self, x):
-        drop = lambda t: torch.native_dropout(t, 0.1, True)[0]
-        s, b, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(s, b, 3, self.a, h // self.a).permute(2, 1, 3, 0, 4)
-        att = drop(torch.softmax((q @ k.transpose(-1, -2)) * (h // self.a) ** -0.5, -1))
-        x = x + drop(self.proj((att @ v).permute(2, 0, 1, 3).reshape(s, b, h)))
-        return x + drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
-
-class GPT(nn.Module):
-    def __init__(self, L, h, a): super().__init__(); self.layers = nn.ModuleList(GPTBlock(h, a) for _ in range(L))
-    def forward(self, x):
-        for layer in self.layers: x = layer(x)
-        return x
+from dtnb.utils import text_table
+from dtnb.activations import trace_activations
+from dtnb.memory import estimate_memory, TransformerShape
+from dtnb.measure import measure_memory
+from dtnb.models import ToyModel, GPT
 
 
 def zero_table():
     print("== ZeRO paper, figure 1: 7.5B parameters, 64 devices, mixed-precision Adam (model states per device)")
     rows = []
     for s, paper in dict(ddp=120, zero1=31.4, zero2=16.6, zero3=1.9).items():
-        e = estimate_memory(7.5e9, s, 64, optimizer='adam', precision='mixed').model_states / 1e9
+        e = estimate_memory(7.5e9, s, 64, optimizer='adam', precision='zero-mixed').model_states / 1e9
         rows.append((s, f"{e:.4g} GB", f"{paper} GB", f"{100 * (e - paper) / paper:+.2f}%"))
     print(text_table(('strategy', 'dtnb', 'paper', 'difference'), rows), '\n')
 
@@ -41,7 +22,7 @@ def measured_table():
     print("== Estimated vs measured model-state bytes, one real AdamW step on 2 gloo ranks (CPU)")
     rows, x, y = [], torch.randn(8, 16), torch.randn(8, 5)
     for strategy in ('ddp', 'fsdp'):
-        for precision in ('fp32', 'amp', 'bf16'):
+        for precision in ('fp32', 'bf16-mixed', 'bf16-true'):
             t = time.perf_counter()
             r = measure_memory(ToyModel(d_in=16, d=30, depth=2, d_out=5), (x, y), strategy, 2, precision=precision, loss_fn=F.mse_loss)
             dt = time.perf_counter() - t
@@ -63,7 +44,7 @@ def trace_table():
     }
     rows = []
     for name, (m, x) in models.items():
-        for precision in ('fp32', 'amp', 'bf16'):
+        for precision in ('fp32', 'bf16-mixed', 'bf16-true'):
             t = time.perf_counter(); fake = trace_activations(m, x, precision=precision); tf = time.perf_counter() - t
             t = time.perf_counter(); real = trace_activations(m, x, precision=precision, fake=False); tr = time.perf_counter() - t
             rows.append((name, precision, f"{fake.saved:,}", f"{real.saved:,}", f"{real.saved - fake.saved:+,}", f"{1e3 * tf:.0f}", f"{1e3 * tr:.0f}"))
@@ -75,7 +56,7 @@ def formula_table():
     rows = []
     for L, h, a, s, b in ((2, 256, 8, 128, 2), (4, 512, 8, 256, 1), (2, 1024, 16, 512, 1)):
         sh, m = TransformerShape(L, h, a, s, b), GPT(L, h, a)
-        tr = trace_activations(m, torch.randn(s, b, h), precision='mixed')
+        tr = trace_activations(m, torch.randn(s, b, h), precision='zero-mixed')
         f, fc = sh.activation_bytes(2), sh.activation_bytes(2, checkpoint=True)
         rows.append((f"L={L} h={h} a={a} s={s} b={b}", f"{f:,}", f"{tr.saved:,}", f"{tr.saved - f:,}", f"{L * 4 * s * b * 2:,}",
                      f"{fc:,}", f"{tr.checkpointed:,}"))
@@ -88,7 +69,7 @@ def huge_model():
     with torch.device('meta'): m = GPT(32, 4096, 32)
     x = torch.empty(2048, 1, 4096, device='meta')
     build = time.perf_counter() - t
-    t = time.perf_counter(); e = estimate_memory(m, 'zero3', 64, precision='mixed', batch=x); dt = time.perf_counter() - t
+    t = time.perf_counter(); e = estimate_memory(m, 'zero3', 64, precision='zero-mixed', batch=x); dt = time.perf_counter() - t
     print(f"parameters {e.params / 1e9:.2f}B; built in {build:.2f} s; traced and estimated in {dt:.2f} s; "
           f"process max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB")
     print(e, '\n')

@@ -70,7 +70,8 @@ def _add_plan(sub):
     p.add_argument('--vocab', type=int, default=0)
     p.add_argument('--world-size', type=int, help="devices (default: this machine's accelerators, else 1)")
     p.add_argument('--optimizer', default='adamw', choices=['sgd', 'momentum', 'adam', 'adamw'])
-    p.add_argument('--precision', choices=['fp32', 'mixed', 'amp', 'bf16'], help="default: amp where the device computes bf16/fp16, else fp32")
+    p.add_argument('--precision', choices=['fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true', 'zero-mixed'],
+                   help="default: bf16-mixed (autocast) where the device computes bf16 fast, else fp32")
     p.add_argument('--memory', type=float, help="bytes per device, e.g. 80e9 (default: detected)")
     p.add_argument('--margin', type=float, default=0.1, help="fraction of device memory kept free")
     p.add_argument('--strategy', help="print the one estimate of this strategy instead of the plan: single, ddp, zero1, zero2, zero3, fsdp")

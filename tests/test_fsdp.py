@@ -152,7 +152,7 @@ def misuse(case):
     ('layer', "layer_cls='DecoderLayer' is not a module class in this model; candidate block classes found: Block (4 in layers); "
               "other repeated classes: Linear (10)"),
     ('mesh', r"mesh=(4, 1) needs 4 ranks (4 replicas × 1 shards) but the world has 2: choose replicate × shard = 2, e.g. (1, 2) or (2, 1)"),
-    ('dtype', "param_dtype='bf17' is not a dtype"),
+    ('dtype', "param_dtype='bf17' is not a number format"),
     ('twice', "this model is already sharded (FSDPToyModel): wrap the original model once"),
     ('meta', "this meta-device model cannot be initialised: 1 (Module) hold parameters or buffers but have no reset_parameters(); pass init=fn"),
 ])

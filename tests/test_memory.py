@@ -3,24 +3,24 @@ import json
 from dataclasses import replace
 import pytest
 import torch, torch.nn as nn, torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
-from dtnb.memory import (estimate_memory, recommend, measure_memory, trace_activations, memory_explorer, TransformerShape,
-                         find_units, optimizer_bytes, MemoryEstimate)
-from dtnb.models import ToyModel
+from dtnb.activations import trace_activations
+from dtnb.memory import estimate_memory, recommend, memory_explorer, TransformerShape, optimizer_bytes
+from dtnb.measure import measure_memory
+from dtnb.models import ToyModel, GPT, find_blocks
 
 
 # ---- the ZeRO paper's figure 1 -------------------------------------------------------------------------------------
 
 def test_zero_paper_figure():
     "7.5B parameters, 64 devices, mixed-precision Adam: 120, 31.4, 16.6, 1.9 GB of model states per device"
-    got = {s: estimate_memory(7.5e9, strategy=s, world_size=64, optimizer='adam', precision='mixed').model_states / 1e9
+    got = {s: estimate_memory(7.5e9, strategy=s, world_size=64, optimizer='adam', precision='zero-mixed').model_states / 1e9
            for s in ('ddp', 'zero1', 'zero2', 'zero3', 'fsdp')}
     for s, paper in dict(ddp=120, zero1=31.4, zero2=16.6).items():
         assert abs(got[s] - paper) <= 0.01 * paper, (s, got[s], paper)
     # 16Ψ/N = 1.875 GB exactly; the paper prints it rounded to 1.9 (1.3% away), so compare at the paper's precision
     assert got['zero3'] == got['fsdp'] == 1.875 and round(got['zero3'], 1) == 1.9
-    assert optimizer_bytes('adam', 'mixed') == 12
-    e = estimate_memory(7.5e9, strategy="zero2", world_size=64, optimizer="adamw", precision="mixed")
+    assert optimizer_bytes('adam', 'zero-mixed') == 12
+    e = estimate_memory(7.5e9, strategy="zero2", world_size=64, optimizer="adamw", precision="zero-mixed")
     assert round(e.model_states / 1e9, 1) == 16.6 and e.total == e.model_states + e.temporary
 
 
@@ -34,15 +34,16 @@ def _toy(frozen=False):
 XY = (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)), torch.randn(8, 5, generator=torch.Generator().manual_seed(1)))
 
 @pytest.mark.parametrize('strategy,optimizer,precision,frozen', [
-    ('ddp', 'adamw', 'fp32', False), ('fsdp', 'adamw', 'fp32', False), ('fsdp', 'momentum', 'amp', False),
-    ('fsdp', 'sgd', 'bf16', False), ('ddp', 'adam', 'bf16', True), ('zero3', 'adamw', 'fp32', True)])
+    ('ddp', 'adamw', 'fp32', False), ('fsdp', 'adamw', 'fp32', False), ('fsdp', 'momentum', 'bf16-mixed', False),
+    ('fsdp', 'sgd', 'bf16-true', False), ('ddp', 'adam', 'bf16-true', True), ('zero3', 'adamw', 'fp32', True)])
 def test_estimate_equals_measurement_on_two_ranks(strategy, optimizer, precision, frozen):
-    r = measure_memory(_toy(frozen), XY, strategy, world_size=2, optimizer=optimizer, precision=precision, loss_fn=F.mse_loss, timeout=120)
+    r = measure_memory(_toy(frozen), XY, strategy, world_size=2, optimizer=optimizer, precision=precision,
+                       loss_fn=F.mse_loss, timeout=120)
     assert len(r.measured) == 2 and [m['rank'] for m in r.measured] == [0, 1]
     for e, m in zip(r.estimates, r.measured):
         assert (e.parameters, e.gradients, e.optimizer_states) == (m['parameters'], m['gradients'], m['optimizer_states']), (e, m)
     assert r.exact
-    ln_stats = 2 * 2 * 8 * 2 if precision == 'amp' else 0  # meta LayerNorm keeps bf16 statistics, the CPU kernel fp32
+    ln_stats = 2 * 2 * 8 * 2 if precision == 'bf16-mixed' else 0  # meta LayerNorm keeps bf16 statistics, the CPU kernel fp32
     assert all(m['activations'] - e.activations == ln_stats for e, m in zip(r.estimates, r.measured))
     if strategy != 'ddp' and optimizer != 'sgd':  # ranks hold different rows of the uneven tensors
         assert r.measured[0]['optimizer_states'] > r.measured[1]['optimizer_states']
@@ -70,26 +71,6 @@ def test_single_process_measurement_leaves_the_model_alone():
 
 # ---- traced activations against real forwards ----------------------------------------------------------------------
 
-class GPTBlock(nn.Module):
-    "Korthikanti et al.'s layer: eager attention, 1-byte dropout masks (native_dropout), GeLU MLP"
-    def __init__(self, h, a):
-        super().__init__(); self.a = a
-        self.ln1, self.qkv, self.proj = nn.LayerNorm(h), nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.ln2, self.fc1, self.fc2 = nn.LayerNorm(h), nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-    def forward(self, x):
-        drop = lambda t: torch.native_dropout(t, 0.1, True)[0]
-        s, b, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(s, b, 3, self.a, h // self.a).permute(2, 1, 3, 0, 4)
-        att = drop(torch.softmax((q @ k.transpose(-1, -2)) * (h // self.a) ** -0.5, -1))
-        x = x + drop(self.proj((att @ v).permute(2, 0, 1, 3).reshape(s, b, h)))
-        return x + drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
-
-class GPT(nn.Module):
-    def __init__(self, L, h, a, ckpt=False): super().__init__(); self.layers, self.ckpt = nn.ModuleList(GPTBlock(h, a) for _ in range(L)), ckpt
-    def forward(self, x):
-        for layer in self.layers: x = checkpoint(layer, x, use_reentrant=False) if self.ckpt else layer(x)
-        return x
-
 MODELS = {
     'toy': lambda: (ToyModel(d_in=16, d=32, depth=3, d_out=4), torch.randn(4, 7, 16)),
     'gpt': lambda: (GPT(2, 64, 4), torch.randn(32, 2, 64)),
@@ -100,7 +81,7 @@ MODELS = {
 }
 
 @pytest.mark.parametrize('name', list(MODELS))
-@pytest.mark.parametrize('precision', ['fp32', 'bf16'])
+@pytest.mark.parametrize('precision', ['fp32', 'bf16-true'])
 def test_fake_trace_equals_real_forward(name, precision):
     "The trace under FakeTensorMode counts the same saved bytes as the same forward on real tensors"
     model, batch = MODELS[name]()
@@ -112,7 +93,7 @@ def test_fake_trace_equals_real_forward(name, precision):
 def test_gpt_layer_matches_korthikanti():
     "sbh(34 + 5as/h) per layer, plus the LayerNorms' mean and rstd (4sb values) the paper leaves out"
     shape = TransformerShape(layers=3, hidden=64, heads=4, seq_len=48, batch=2)
-    tr = trace_activations(GPT(3, 64, 4), torch.randn(48, 2, 64), precision='mixed')
+    tr = trace_activations(GPT(3, 64, 4), torch.randn(48, 2, 64), precision='zero-mixed')
     stats = 4 * 48 * 2 * 2
     assert tr.saved == shape.activation_bytes(2) + 3 * stats
     assert tr.checkpointed == shape.activation_bytes(2, checkpoint=True) + stats
@@ -124,7 +105,7 @@ def test_checkpointed_trace_against_live_memory():
     torch.manual_seed(0)
     x = torch.randn(16, 2, 64)
     for ckpt in (False, True):
-        model = GPT(3, 64, 4, ckpt=ckpt)
+        model = GPT(3, 64, 4, checkpoint=ckpt)
         tr = trace_activations(model, x)
         mt = mem_tracker.MemTracker()
         mt.track_external(model)
@@ -138,29 +119,35 @@ def test_checkpointed_trace_against_live_memory():
 
 
 def test_units():
+    "The planner's units are find_blocks' blocks, or the modules of the classes given as `units=`"
     toy = ToyModel(depth=3)
-    assert find_units(toy) == list(toy.layers)
-    assert len(find_units(nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2), 2, enable_nested_tensor=False))) == 2
-    assert find_units(toy, units=[nn.LayerNorm]) == [l.norm for l in toy.layers]
+    assert [toy.get_submodule(n) for n in find_blocks(toy)] == list(toy.layers)
+    assert len(find_blocks(nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2), 2, enable_nested_tensor=False))) == 2
+    assert [toy.get_submodule(n) for n in find_blocks(toy, [nn.LayerNorm])] == [l.norm for l in toy.layers]
+    assert trace_activations(toy, torch.randn(2, 16)).units == 3
+    assert trace_activations(toy, torch.randn(2, 16), units=[nn.LayerNorm]).units == 3
 
 
 # ---- recommend and the explorer -------------------------------------------------------------------------------------
 
 def test_recommend_ladder():
     gpt7 = TransformerShape(layers=32, hidden=4096, heads=32, seq_len=2048, batch=1)
-    assert recommend(7.5e9, shape=gpt7, world_size=64, memory=80e9, precision='mixed').label == 'zero1'
+    assert recommend(7.5e9, shape=gpt7, world_size=64, memory=80e9, precision='zero-mixed').label == 'zero1'
     big = replace(gpt7, batch=16)
-    got = [recommend(7.5e9, shape=big, world_size=64, memory=m, precision='mixed').label for m in (80e9, 40e9, 28e9, 24e9)]
+    got = [recommend(7.5e9, shape=big, world_size=64, memory=m, precision='zero-mixed').label for m in (80e9, 40e9, 28e9, 24e9)]
     assert got == ['zero1 + checkpointing', 'zero3 + checkpointing', 'zero3 + checkpointing + offload', 'nothing fits']
     small = recommend(ToyModel(), torch.randn(4, 16), world_size=4, memory=1e9)
     assert small.strategy == 'ddp' and small.reason.startswith('fits on one device') and 'DDP over 4 devices' in small.reason
 
 
 def test_recommend_reads_this_machine():
+    "The device memory is the first accelerator's, or on a CPU-only machine the host RAM shared by the 2 ranks"
     from dtnb.device import detect
     rep = detect()
     plan = recommend(ToyModel(), torch.randn(4, 16), report=rep, world_size=2)
-    assert plan.memory == rep.devices[0].total_memory // 2 and 'shared by 2 ranks' in plan.device
+    acc = rep.accelerators[0] if rep.accelerators else None
+    if acc: assert (plan.memory, plan.device) == (acc.total_memory, acc.name)
+    else: assert plan.memory == rep.devices[0].total_memory // 2 and 'shared by 2 ranks' in plan.device
     assert plan.strategy == 'ddp' and plan.budget == int(plan.memory * 0.9)
     assert json.loads(json.dumps(plan.to_dict()))['strategy'] == 'ddp'
     assert 'fits' in str(plan) and '| option |' in plan._repr_markdown_()
@@ -170,7 +157,7 @@ def test_explorer_follows_its_controls():
     shape = TransformerShape(layers=8, hidden=1024, heads=16, seq_len=512, batch=2)
     w = memory_explorer(shape, world_size=16, strategy='fsdp')
     ctl = {c.description: c for c in w.kwargs_widgets}
-    assert w.result == estimate_memory(shape.params(), 'zero3', 16, 'adamw', 'mixed', shape=shape)
+    assert w.result == estimate_memory(shape.params(), 'zero3', 16, 'adamw', 'zero-mixed', shape=shape)
     ctl['devices'].value, ctl['precision'].value, ctl['micro-batch'].value = 4, 'fp32', 8
     assert w.result == estimate_memory(shape.params(), 'zero3', 4, 'adamw', 'fp32', shape=replace(shape, batch=8))
     ctl['strategy'].value = 'single'
@@ -189,7 +176,9 @@ def test_explorer_follows_its_controls():
     (lambda: estimate_memory(1e9, optimizer='lion'), "optimizer='lion' is not one of"),
     (lambda: estimate_memory(1e9, precision='fp8'), "precision='fp8' is not one of"),
     (lambda: measure_memory(ToyModel(), torch.randn(2, 16), 'zero1', 2), "measure_memory runs torch's own strategies"),
-    (lambda: measure_memory(ToyModel(), torch.randn(2, 16), precision='mixed'), "precision='mixed' is ZeRO's accounting"),
+    (lambda: measure_memory(ToyModel(), torch.randn(2, 16), precision='zero-mixed'),
+     "precision='zero-mixed' is ZeRO's accounting"),
+    (lambda: estimate_memory(1e9, precision='amp'), "did you mean 'bf16-mixed'"),
     (lambda: recommend(1e9, world_size=2, memory=8e9, margin=-0.1), "margin=-0.1 must be a fraction"),
 ])
 def test_errors_say_what_to_do(call, msg):
