@@ -14,7 +14,8 @@ from torch import nn
 import torch.distributed.pipelining  # once, before the ranks fork
 from dtnb.launcher import launch
 from dtnb.models import ToyModel, toy_data
-from dtnb.pipeline import pipeline, simulate_schedule, bubble_fraction, schedule_name, SCHEDULES
+from dtnb.schedules import simulate_schedule, bubble_fraction, schedule_name, SCHEDULES
+from dtnb.pipeline import apply_pipeline
 
 def model_data(a):
     return ToyModel(d=a.d, depth=a.depth, seed=0), toy_data(a.batch, d_in=16)[:a.batch]
@@ -32,7 +33,7 @@ def one_process(a):
 def ranked(a, schedule, m):
     import torch.distributed as dist
     model, (x, y) = model_data(a)
-    pipe = pipeline(model, nn.functional.mse_loss, schedule=schedule, n_microbatches=m)
+    pipe = apply_pipeline(model, nn.functional.mse_loss, schedule=schedule, n_microbatches=m)
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
     steps, bubbles = [], []
     for i in range(a.steps + 1):

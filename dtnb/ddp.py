@@ -72,7 +72,7 @@ STRATEGIES = {  # name: 'module:function' applying it
     'single': 'dtnb.ddp:apply_single',
     'ddp': 'dtnb.ddp:apply_ddp',
     'fsdp': 'dtnb.fsdp:apply_fsdp',
-    'pipeline': 'dtnb.pipeline:pipeline',  # needs loss_fn=...; returns a Pipeline that `fit` drives
+    'pipeline': 'dtnb.pipeline:apply_pipeline',  # needs loss_fn=...; returns a Pipeline that `fit` drives
 }
 
 def wrap(model:nn.Module, strategy:str='ddp', **options) -> nn.Module:

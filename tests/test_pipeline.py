@@ -6,49 +6,16 @@ import torch.distributed as dist
 from torch import nn
 import torch.distributed.pipelining, torch.distributed.tensor.parallel, torch.distributed.fsdp  # once, before the ranks fork
 from dtnb.launcher import launch, LaunchError
-from dtnb.models import ToyModel, Block, toy_data, toy_sequences
-from dtnb.pipeline import (pipeline, split_model, pipeline_units, balance_bounds, schedule_order, simulate_schedule,
-                           bubble_fraction, SCHEDULES, Pipeline)
+from dtnb.models import ToyModel, Block, TinyTransformer, toy_data, toy_sequences
+from dtnb.split import split_model, pipeline_units, balance_bounds
+from dtnb.schedules import schedule_order, simulate_schedule, bubble_fraction, SCHEDULES
+from dtnb.pipeline import apply_pipeline, Pipeline
 from dtnb.parallel import Degrees, parallelize, data_rank, tp_plan, apply_tp
 
 mse = nn.functional.mse_loss
 
 
 # ---------------------------------------------------------------- models and references
-class Attention(nn.Module):
-    def __init__(self, d, n_heads):
-        super().__init__()
-        self.head_dim = d // n_heads
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = (l(x).view(b, s, -1, self.head_dim).transpose(1, 2) for l in (self.q, self.k, self.v))
-        return self.o(nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, -1))
-
-class MLP(nn.Module):
-    def __init__(self, d): super().__init__(); self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-    def forward(self, x): return self.down(nn.functional.gelu(self.up(x)))
-
-class TransformerBlock(nn.Module):
-    def __init__(self, d, n_heads):
-        super().__init__()
-        self.attn_norm, self.attn, self.mlp_norm, self.mlp = nn.LayerNorm(d), Attention(d, n_heads), nn.LayerNorm(d), MLP(d)
-    def forward(self, x):
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
-
-class TinyTransformer(nn.Module):
-    def __init__(self, d_in=16, d=32, n_heads=4, depth=2, d_out=4):
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(d_in, d)
-        self.layers = nn.ModuleList(TransformerBlock(d, n_heads) for _ in range(depth))
-        self.head = nn.Linear(d, d_out)
-    def forward(self, x):
-        x = self.inp(x)
-        for l in self.layers: x = l(x)
-        return self.head(x)
-
 def uneven_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), Block(32, 256), Block(32, 256), *[Block(32, 32) for _ in range(6)], nn.Linear(32, 4))
@@ -85,7 +52,7 @@ def merged(res, key): return {k: v for r in res for k, v in r[key].items()}
 # ---------------------------------------------------------------- pipeline parallel
 def train_pipe(schedule, make=ToyModel, data=lambda: toy_data(64), steps=3, batch=16, **kw):
     model, ds = make(), data()
-    pipe = pipeline(model, mse, schedule=schedule, example=ds[:4][0], **kw)
+    pipe = apply_pipeline(model, mse, schedule=schedule, example=ds[:4][0], **kw)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     losses, grads = [], None
     for i in range(steps):
@@ -145,7 +112,7 @@ def test_balance_bounds_matches_brute_force():
             assert max(sum(costs[lo:hi]) for lo, hi in zip(b, b[1:])) == best
 
 def profile(schedule, m=4):
-    pipe = pipeline(ToyModel(), mse, schedule=schedule, n_microbatches=m)
+    pipe = apply_pipeline(ToyModel(), mse, schedule=schedule, n_microbatches=m)
     x, y = toy_data(64)[:16]
     pipe.step(x, y)
     return pipe.profile_step(x, y), pipe.order()
@@ -191,16 +158,16 @@ def test_clip_and_eval_over_all_stages(degrees, schedule):
     for k, p in model.named_parameters(): assert_close(g[k], p.grad, what=k)
 
 def v_eval():
-    pipe = pipeline(ToyModel(), mse, schedule='zbvzerobubble')
+    pipe = apply_pipeline(ToyModel(), mse, schedule='zbvzerobubble')
     pipe.eval_loss(*toy_data(64)[:16])
 
 def test_v_schedules_refuse_eval():
     with pytest.raises(LaunchError, match="cannot run forward only"): launch(v_eval, nprocs=2, timeout=60)
 
 def odd_batch():
-    pipeline(ToyModel(), mse, n_microbatches=4).step(*toy_data(64)[:10])
-def too_many_stages(): pipeline(ToyModel(depth=1), mse, schedule='interleaved1f1b')
-def wrong_count(): pipeline(ToyModel(), mse, n_stages=3)
+    apply_pipeline(ToyModel(), mse, n_microbatches=4).step(*toy_data(64)[:10])
+def too_many_stages(): apply_pipeline(ToyModel(depth=1), mse, schedule='interleaved1f1b')
+def wrong_count(): apply_pipeline(ToyModel(), mse, n_stages=3)
 
 @pytest.mark.parametrize('fn,msg', [
     (odd_batch, "a batch of 10 does not split into n_microbatches=4 equal microbatches: use a batch size that is a multiple of 4 (e.g. 12)"),
