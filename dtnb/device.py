@@ -69,7 +69,7 @@ _LAUNCHERS = {  # launcher: (rank, world size, local rank, local world size, nod
 _MPI = ('openmpi', 'mvapich', 'mpich', 'intelmpi', 'pmi')
 _LAUNCHED_BY = {'dtnb': 'dtnb.launch', 'torchrun': 'torchrun', 'slurm': 'srun (SLURM)', 'openmpi': 'mpirun (Open MPI)',
                 'mvapich': 'mpirun (MVAPICH2)', 'mpich': 'mpiexec (MPICH Hydra)', 'intelmpi': 'mpirun (Intel MPI)',
-                'pmi': 'a PMI launcher (PMI_RANK, PMI_SIZE)', 'env': 'RANK/WORLD_SIZE variables'}
+                'pmi': 'a PMI launcher (PMI_RANK, PMI_SIZE)', 'env': 'env:// variables (RANK, WORLD_SIZE)'}
 
 def _which_launcher(env):
     "Name of the launcher that set `env`, or None"
