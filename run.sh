@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The two commands of the README:
 #   bash run.sh main   set up .venv and run the main job (dtnb report --quick, written to dtnb-report/)
-#   bash run.sh test   set up .venv and run every test (nbdev-test, then pytest tests/)
+#   bash run.sh test   set up .venv, install mpirun and Chromium where it can (test_deps), run every test
+#                      (nbdev-test, then pytest tests/)
 # Setup is idempotent: a second run reuses .venv. TORCH_SPEC picks another torch (default: the 2.13.0 wheel,
 # the CPU build on machines that carry it; a GPU machine may set TORCH_SPEC=torch to get its CUDA build).
 set -euo pipefail
@@ -18,10 +19,28 @@ setup() {
   "$VENV/bin/pip" install -q -e ".[dev]"
 }
 
+# What `run.sh test` needs outside Python: mpirun (tests/test_mpi.py) and Chromium (tests/test_site.py). Missing ones
+# are installed with apt-get when we are root; otherwise one line names the command (test_mpi.py then skips, and
+# test_site.py fails unless DTNB_SKIP_BROWSER=1). DTNB_REQUIRE_TEST_DEPS=1 (CI) makes a failed install an error.
+test_deps() {
+  local missing=()
+  command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
+  command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing+=(chromium)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "run.sh: installing ${missing[*]} with apt-get (for tests/test_mpi.py, tests/test_site.py)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null) && return 0
+  fi
+  echo "run.sh: ${missing[*]} not installed: run \`sudo apt-get install -y ${missing[*]}\` for the MPI and browser" \
+       "tests"
+  [ "${DTNB_REQUIRE_TEST_DEPS:-0}" != 1 ] || exit 1
+}
+
 case "${1:-}" in
   setup) setup ;;
   main)  setup; "$VENV/bin/dtnb" report --quick --out dtnb-report ;;
   test)  setup
+         test_deps
          "$VENV/bin/nbdev-test" ${DTNB_NBDEV_TEST_ARGS:-}
          "$VENV/bin/pytest" tests/ -q ;;
   *) echo "usage: bash run.sh main|test|setup" >&2; exit 2 ;;

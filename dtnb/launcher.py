@@ -9,13 +9,13 @@ from __future__ import annotations
 import os, sys, io, gc, time, signal, socket, tempfile, threading, traceback, atexit, re, shutil, contextlib, datetime
 import multiprocessing as mp
 from multiprocessing.connection import wait as _wait
-from .device import parse_launch_env, usable_cores
+from .device import parse_launch_env, usable_cores, LaunchEnvError
 from .utils import accelerator_type
 
 # %% auto #0
-__all__ = ['BACKENDS', 'default_backend', 'check_backend', 'current_device', 'init_distributed', 'rank', 'world_size',
-           'local_rank', 'is_main', 'barrier', 'rank0_first', 'shutdown', 'free_port', 'check_port', 'LaunchError',
-           'launch', 'torchrun_command']
+__all__ = ['BACKENDS', 'default_backend', 'check_backend', 'current_device', 'RendezvousError', 'init_distributed', 'rank',
+           'world_size', 'local_rank', 'is_main', 'barrier', 'rank0_first', 'shutdown', 'free_port', 'check_port',
+           'LaunchError', 'launch', 'torchrun_command']
 
 # %% ../nbs/01_launcher.ipynb #db2c137c
 BACKENDS = {'gloo': 'CPU tensors (and GPUs, slowly)', 'nccl': 'NVIDIA GPUs', 'xccl': 'Intel GPUs',
@@ -46,23 +46,51 @@ def current_device():
     return torch.device(acc, parse_launch_env().local_rank % max(1, torch.accelerator.device_count()))
 
 # %% ../nbs/01_launcher.ipynb #9fd817f3
-def _rendezvous(env) -> dict:
-    "How to meet the other ranks: dtnb's file store, an in-process store for one rank, or env:// (torchrun, SLURM, MPI)"
+class RendezvousError(TimeoutError):
+    "The ranks could not meet: a wrong MASTER_ADDR/MASTER_PORT, a blocked port, or a rank that never started"
+
+_PASS_ADDRESS = {'openmpi': 'mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500 -n 8 python train.py',
+                 'slurm': 'export MASTER_ADDR=$(hostname) MASTER_PORT=29500 before srun python train.py'}
+
+def _missing_address(le) -> str:
+    "The error for a launch that names no rendezvous address, with the flags that pass one to every rank"
+    miss = ' and '.join(k for k, v in (('MASTER_ADDR', le.master_addr), ('MASTER_PORT', le.master_port)) if not v)
+    how = _PASS_ADDRESS.get(le.launcher, 'mpiexec -genv MASTER_ADDR $(hostname) -genv MASTER_PORT 29500 -n 8 '
+                            'python train.py' if le.launcher in ('mpich', 'intelmpi', 'mvapich', 'pmi') else
+                            'export MASTER_ADDR=<host of rank 0> MASTER_PORT=29500 on every rank')
+    verb = 'are' if ' and ' in miss else 'is'
+    return (f"{le.launched_by} started {le.world_size} ranks but {miss} {verb} not set, and dtnb defaults MASTER_ADDR "
+            f"to 127.0.0.1 only when the launcher says every rank is on this node, and MASTER_PORT only from a job "
+            f"id all ranks share. Pass both to every rank (the host of rank 0 and a free port there), e.g. `{how}`")
+
+# %% ../nbs/01_launcher.ipynb #c3163bcd
+def _rendezvous(env, timeout:float=600) -> dict:
+    "How to meet the other ranks: dtnb's file store, one rank's own store, torchrun's, or a TCP store at MASTER_ADDR"
     import torch.distributed as dist
     if env.get('DTNB_STORE'): return dict(store=dist.FileStore(env['DTNB_STORE'], int(env['WORLD_SIZE'])))
     le = parse_launch_env(env)
-    if le.world_size == 1 and le.launcher in (None, 'env') and not env.get('MASTER_PORT'): return dict(store=dist.HashStore())
-    if not le.master_addr or not le.master_port:
-        raise ValueError(f"{le.launcher} started {le.world_size} ranks but MASTER_ADDR/MASTER_PORT are not set: export "
-                         "MASTER_ADDR=<first host of the job> MASTER_PORT=<a free port, e.g. 29500> on every rank")
-    # torch's env:// reads these; SLURM and MPI name them differently (torchrun's agent store is reused as is)
+    if le.world_size == 1 and le.launcher in (None, 'env') and not env.get('MASTER_PORT'):
+        return dict(store=dist.HashStore())
+    if not le.master_addr or not le.master_port: raise LaunchEnvError(_missing_address(le))
+    kw = dict(init_method='env://')  # torchrun's agent already hosts the store: env:// joins it
+    if le.launcher != 'torchrun':    # anyone else: rank 0 hosts it, and every rank waits `timeout` at most
+        try: kw = dict(store=dist.TCPStore(le.master_addr, le.master_port, le.world_size, is_master=le.rank == 0,
+                                           timeout=datetime.timedelta(seconds=timeout), multi_tenant=True))
+        except Exception as e:
+            raise RendezvousError(
+                f"rank {le.rank} of {le.world_size} ({le.launched_by}) could not meet the other ranks at "
+                f"{le.master_addr}:{le.master_port} within {timeout:g}s: {str(e).splitlines()[0]}. Check that every "
+                f"rank started and got the same MASTER_ADDR/MASTER_PORT (here: {le.master_from or 'as set'}), "
+                "and that rank 0's host accepts connections on that port") from None
+    # the standard names, for code that reads them (SLURM and MPI name them differently)
     os.environ.update(RANK=str(le.rank), WORLD_SIZE=str(le.world_size), LOCAL_RANK=str(le.local_rank),
                       MASTER_ADDR=str(le.master_addr), MASTER_PORT=str(le.master_port))
-    return dict(init_method='env://')
+    return kw
 
-# %% ../nbs/01_launcher.ipynb #c3163bcd
+# %% ../nbs/01_launcher.ipynb #07ce3015
 def init_distributed(backend:str|None=None, # 'gloo', 'nccl', ...; default from the device
                      timeout:float=600,     # seconds a collective may wait before it fails
+                     rdzv_timeout:float|None=None, # seconds to wait for every rank to arrive; default `timeout`
                     ) -> 'torch.distributed.ProcessGroup':
     "Join the process group this process was launched into (idempotent); returns the default group"
     import torch, torch.distributed as dist
@@ -71,9 +99,10 @@ def init_distributed(backend:str|None=None, # 'gloo', 'nccl', ...; default from 
     backend = check_backend(backend)
     dev = current_device()
     if dev.type not in ('cpu', 'mps'): torch.accelerator.set_device_index(dev.index)
-    kw = _rendezvous(os.environ)
+    kw = _rendezvous(os.environ, timeout if rdzv_timeout is None else rdzv_timeout)
     if backend == 'nccl': kw['device_id'] = dev
-    dist.init_process_group(backend, rank=le.rank, world_size=le.world_size, timeout=datetime.timedelta(seconds=timeout), **kw)
+    dist.init_process_group(backend, rank=le.rank, world_size=le.world_size,
+                            timeout=datetime.timedelta(seconds=timeout), **kw)
     atexit.register(shutdown)
     return dist.group.WORLD
 

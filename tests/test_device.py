@@ -20,12 +20,29 @@ def test_real_detection_on_this_machine():
     (dict(SLURM_PROCID='7', SLURM_NTASKS='8', SLURM_LOCALID='3', SLURM_NODEID='1', SLURM_NNODES='2',
           SLURM_JOB_NODELIST='node[1-2]', SLURM_NTASKS_PER_NODE='4', SLURM_JOB_ID='100'),
      ('slurm', 7, 8, 3, 4, 1, 2, 'node1', 15100)),
-    (dict(OMPI_COMM_WORLD_RANK='1', OMPI_COMM_WORLD_SIZE='2', OMPI_COMM_WORLD_LOCAL_RANK='1', OMPI_COMM_WORLD_LOCAL_SIZE='2',
-          MASTER_ADDR='127.0.0.1', MASTER_PORT='1234'), ('openmpi', 1, 2, 1, 2, 0, 1, '127.0.0.1', 1234)),
+    (dict(OMPI_COMM_WORLD_RANK='1', OMPI_COMM_WORLD_SIZE='2', OMPI_COMM_WORLD_LOCAL_RANK='1',
+          OMPI_COMM_WORLD_LOCAL_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT='1234'),
+     ('openmpi', 1, 2, 1, 2, 0, 1, '127.0.0.1', 1234)),
+    # MPICH's Hydra; Intel MPI (the same variables, and its I_MPI_* settings); Cray PALS; MVAPICH2
+    (dict(PMI_RANK='5', PMI_SIZE='8', MPI_LOCALRANKID='1', MPI_LOCALNRANKS='4', PMI_FD='9', MASTER_ADDR='n1',
+          MASTER_PORT='29500'), ('mpich', 5, 8, 1, 4, 1, 2, 'n1', 29500)),
+    (dict(PMI_RANK='1', PMI_SIZE='2', MPI_LOCALRANKID='1', MPI_LOCALNRANKS='2', I_MPI_ROOT='/opt/intel/mpi',
+          MASTER_PORT='29500'), ('intelmpi', 1, 2, 1, 2, 0, 1, '127.0.0.1', 29500)),
+    (dict(PMI_RANK='3', PMI_SIZE='4', PMI_LOCAL_RANK='1', PMI_LOCAL_SIZE='2', MASTER_ADDR='x3000c0s1',
+          MASTER_PORT='2345'),
+     ('pmi', 3, 4, 1, 2, 1, 2, 'x3000c0s1', 2345)),
+    (dict(PMI_RANK='0', PMI_SIZE='2'), ('pmi', 0, 2, 0, 2, 0, 1, None, None)),  # no local size: no address guessed
+    (dict(MV2_COMM_WORLD_RANK='2', MV2_COMM_WORLD_SIZE='4', MV2_COMM_WORLD_LOCAL_RANK='0',
+          MV2_COMM_WORLD_LOCAL_SIZE='2', MASTER_ADDR='a', MASTER_PORT='29500'),
+     ('mvapich', 2, 4, 0, 2, 1, 2, 'a', 29500)),
+    # srun on one node: the loopback address (no host name to resolve), SLURM's port from the job id
+    (dict(SLURM_PROCID='1', SLURM_NTASKS='2', SLURM_LOCALID='1', SLURM_NNODES='1', SLURM_NODELIST='gpu07',
+          SLURM_JOB_ID='7'), ('slurm', 1, 2, 1, 2, 0, 1, '127.0.0.1', 15007)),
 ])
 def test_launchers(env, expect):
     l = parse_launch_env(env)
-    assert (l.launcher, l.rank, l.world_size, l.local_rank, l.local_world_size, l.node_rank, l.nnodes, l.master_addr, l.master_port) == expect
+    assert (l.launcher, l.rank, l.world_size, l.local_rank, l.local_world_size, l.node_rank, l.nnodes,
+            l.master_addr, l.master_port) == expect
 
 
 @pytest.mark.parametrize('nodelist,hosts', [
@@ -43,11 +60,26 @@ def test_slurm_nodelists(nodelist, hosts):
     (dict(RANK='2', WORLD_SIZE='2'), "RANK=2 must be less than WORLD_SIZE=2"),
     (dict(LOCAL_RANK='0'), "WORLD_SIZE is not"),
     (dict(SLURM_PROCID='x', SLURM_NTASKS='2'), "SLURM_PROCID='x' is not an integer"),
-    (dict(RANK='0', WORLD_SIZE='2', LOCAL_RANK='3', LOCAL_WORLD_SIZE='2'), "LOCAL_RANK=3 must be less than the local world size 2"),
+    (dict(RANK='0', WORLD_SIZE='2', LOCAL_RANK='3', LOCAL_WORLD_SIZE='2'),
+     "LOCAL_RANK=3 must be less than the local world size 2"),
+    (dict(PMI_RANK='0', PMI_SIZE='two'),
+     "PMI_SIZE='two' is not an integer; expected a whole number >= 1, e.g. PMI_SIZE=2"),
+    (dict(PMI_RANK='2', PMI_SIZE='2'), "PMI_RANK=2 must be less than PMI_SIZE=2: ranks are numbered 0..1"),
+    (dict(PMI_RANK='-1', PMI_SIZE='2'), "PMI_RANK='-1' is out of range"),
+    (dict(PMI_RANK='0'), "PMI_RANK='0' set but PMI_SIZE is not"),
+    (dict(PMI_RANK='0', PMI_SIZE='4', MPI_LOCALRANKID='2', MPI_LOCALNRANKS='2'),
+     "MPI_LOCALRANKID=2 must be less than the local world size 2"),
+    (dict(PMI_RANK='0', PMI_SIZE='4', MPI_LOCALRANKID='x'), "MPI_LOCALRANKID='x' is not an integer"),
+    (dict(PMI_RANK='0', PMI_SIZE='4', PMI_LOCAL_RANK='0', PMI_LOCAL_SIZE='0'), "PMI_LOCAL_SIZE='0' is out of range"),
+    (dict(PMI_RANK='0', PMI_SIZE='2', I_MPI_ROOT='/opt/intel', MPI_LOCALNRANKS='2.0'),
+     "MPI_LOCALNRANKS='2.0' is not an integer"),
+    (dict(OMPI_COMM_WORLD_RANK='0', OMPI_COMM_WORLD_SIZE='2', MASTER_PORT='http'),
+     "MASTER_PORT='http' is not an integer"),
+    (dict(MV2_COMM_WORLD_RANK='0', MV2_COMM_WORLD_SIZE='0'), "MV2_COMM_WORLD_SIZE='0' is out of range"),
 ])
 def test_bad_launcher_variables(env, msg):
-    with pytest.raises(LaunchEnvError, match=msg.replace('(', r'\(').replace('[', r'\[')):
-        parse_launch_env(env)
+    with pytest.raises(LaunchEnvError) as e: parse_launch_env(env)
+    assert msg in str(e.value)
 
 
 @pytest.mark.parametrize('cc,bf16,tf32,fp8', [((7, 0), 0, 0, 0), ((8, 0), 1, 1, 0), ((8, 6), 1, 1, 0),
@@ -84,3 +116,14 @@ def test_cli_env_rejects_bad_launch_env(run_cli):
     r = run_cli('env', env={'RANK': '0', 'WORLD_SIZE': 'abc'}, check=False)
     assert r.returncode == 2 and "dtnb env: error: WORLD_SIZE='abc' is not an integer" in r.stderr
     assert 'Traceback' not in r.stderr
+
+
+def test_mpi_launch_summary_names_the_launcher():
+    mpi = dict(OMPI_COMM_WORLD_RANK='1', OMPI_COMM_WORLD_SIZE='2', OMPI_COMM_WORLD_LOCAL_RANK='1',
+               OMPI_COMM_WORLD_LOCAL_SIZE='2', OMPI_COMM_WORLD_NODE_RANK='1', OMPI_MCA_ess_base_jobid='99')
+    r = detect(mpi)
+    assert r.launch.launched_by == 'mpirun (Open MPI)'
+    assert ("launch: launched by mpirun (Open MPI): rank 1 of 2, local rank 1 of 2, node 0 of 1; "
+            "master 127.0.0.1:") in str(r)
+    assert 'all 2 ranks on this node: 127.0.0.1, port from OMPI_MCA_ess_base_jobid' in r.launch.summary()
+    assert detect({}).launch.summary() == 'none (single process)'
