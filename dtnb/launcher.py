@@ -10,7 +10,6 @@ import os, sys, io, gc, time, signal, socket, tempfile, threading, traceback, at
 import multiprocessing as mp
 from multiprocessing.connection import wait as _wait
 from .device import parse_launch_env, usable_cores
-from .utils import accelerator_type
 
 # %% auto #0
 __all__ = ['BACKENDS', 'default_backend', 'check_backend', 'current_device', 'init_distributed', 'rank', 'world_size',
@@ -21,9 +20,16 @@ __all__ = ['BACKENDS', 'default_backend', 'check_backend', 'current_device', 'in
 BACKENDS = {'gloo': 'CPU tensors (and GPUs, slowly)', 'nccl': 'NVIDIA GPUs', 'xccl': 'Intel GPUs',
             'mpi': 'an MPI-enabled torch build', 'ucc': 'a UCC-enabled torch build'}
 
+def _accelerators() -> tuple:
+    "This node's accelerator type and count, `(None, 0)` for none; asked without initialising CUDA"
+    import torch
+    acc = torch.accelerator.current_accelerator()  # what torch was built for: no runtime call
+    n = torch.accelerator.device_count() if acc is not None else 0  # CUDA: counted through NVML
+    return (acc.type, n) if n else (None, 0)
+
 def default_backend() -> str:
     "The collective backend for this machine's accelerator: nccl for CUDA, xccl for XPU, gloo otherwise"
-    return {'cuda': 'nccl', 'xpu': 'xccl'}.get(accelerator_type(), 'gloo')
+    return {'cuda': 'nccl', 'xpu': 'xccl'}.get(_accelerators()[0], 'gloo')
 
 # %% ../nbs/01_launcher.ipynb #38b5dc91
 def check_backend(backend:str|None) -> str:
@@ -38,12 +44,21 @@ def check_backend(backend:str|None) -> str:
     return b
 
 # %% ../nbs/01_launcher.ipynb #43078987
+def _oversubscribed(nprocs, n, acc) -> str:
+    return (f"{nprocs} ranks on this node but {n} {acc} device{'s' * (n != 1)}: each rank needs its own (NCCL refuses "
+            f"two ranks on one GPU). Run nprocs={n} (torchrun --nproc-per-node={n}), or CPU ranks: "
+            "launch(..., backend='gloo', device='cpu'), or DTNB_DEVICE=cpu with backend 'gloo' under torchrun")
+
 def current_device():
-    "This rank's device: the accelerator at index `LOCAL_RANK`, else the CPU"
+    "This rank's device: the CPU under `DTNB_DEVICE=cpu`, else the accelerator at index `LOCAL_RANK`, else the CPU"
     import torch
-    acc = accelerator_type()
-    if acc is None or acc == 'mps': return torch.device('cpu' if acc is None else 'mps')
-    return torch.device(acc, parse_launch_env().local_rank % max(1, torch.accelerator.device_count()))
+    acc, n = _accelerators()
+    if os.environ.get('DTNB_DEVICE') == 'cpu' or acc is None: return torch.device('cpu')
+    if acc == 'mps': return torch.device('mps')
+    le = parse_launch_env()
+    ranks = le.local_rank + 1 if le.launcher == 'env' else le.local_world_size  # plain env:// has no local size
+    if ranks > n: raise ValueError(_oversubscribed(ranks, n, acc))
+    return torch.device(acc, le.local_rank)
 
 # %% ../nbs/01_launcher.ipynb #9fd817f3
 def _rendezvous(env) -> dict:
@@ -259,6 +274,17 @@ def _check_args(fn, nprocs):
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r}: launch needs a whole number of ranks >= 1, e.g. nprocs=2")
 
+def _placement(nprocs, backend, device):
+    "Backend and device of `nprocs` local ranks: one accelerator each, or CPU ranks on gloo when asked"
+    acc, n = _accelerators()
+    if device not in (None, 'cpu'):
+        raise ValueError(f"device={device!r}: pass device='cpu' for CPU ranks, or None for one {acc or 'device'} per rank")
+    if device == 'cpu' or (backend == 'gloo' and acc not in (None, 'mps') and nprocs > n):
+        if backend not in (None, 'gloo'): raise ValueError(f"device='cpu' needs backend='gloo', not {backend!r}")
+        return 'gloo', 'cpu'
+    if acc not in (None, 'mps') and nprocs > n: raise ValueError(_oversubscribed(nprocs, n, acc))
+    return backend, None
+
 def _threads_per_rank(nprocs, threads, method):
     n = threads or max(1, usable_cores() // nprocs)
     if method == 'fork' and _native_threads() > 0 and n > 1 and threads is None:
@@ -355,6 +381,7 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
            *args,
            nprocs:int|None=None,     # number of ranks; default: one per accelerator, else 2
            backend:str|None=None,    # 'gloo', 'nccl', ...; default from the device
+           device:str|None=None,     # 'cpu': CPU ranks on gloo even where accelerators exist; default one each
            start_method:str|None=None, # 'fork' (default where safe), 'spawn' or 'forkserver'
            timeout:float|None=None,  # seconds before unfinished ranks are reported and stopped
            threads:int|None=None,    # torch threads per rank; default: usable cores ÷ nprocs
@@ -362,18 +389,21 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
            prefix:bool=False,        # prefix each output line with its rank
            env:dict|None=None,       # extra environment variables for the ranks
            **kwargs):
-    "Run `fn(*args, **kwargs)` on `nprocs` local ranks with the process group initialised; return their results in rank order"
-    import torch
+    "Run `fn(*args, **kwargs)` on `nprocs` local ranks with the process group initialised; return results in rank order"
     _check_args(fn, nprocs)
-    if nprocs is None: nprocs = torch.accelerator.device_count() if accelerator_type() not in (None, 'mps') else 2
+    acc, n = _accelerators()
+    if nprocs is None: nprocs = n if acc not in (None, 'mps') else 2
+    backend, device = _placement(nprocs, backend, device)
     backend = check_backend(backend)
+    if device: env = {**(env or {}), 'DTNB_DEVICE': device}
     method = _start_method(start_method)
     if port is not None: check_port(port)
     pg_timeout = 600 if timeout is None else timeout + 60  # launch's own timeout reports first, with stacks
     tmp = tempfile.mkdtemp(prefix='dtnb-launch-')
     procs, out = [], _Output(prefix)
     try:
-        procs, fds = _start(fn, args, kwargs, nprocs, method, _threads_per_rank(nprocs, threads, method), backend, port, env, tmp, pg_timeout)
+        procs, fds = _start(fn, args, kwargs, nprocs, method, _threads_per_rank(nprocs, threads, method), backend, port,
+                            env, tmp, pg_timeout)
         hung = _supervise(procs, fds, out, timeout)
         if hung: _collect_stacks(procs, hung, fds, out)
         out.flush()
