@@ -220,5 +220,6 @@ def test_torchrun_with_more_local_ranks_than_gpus(gpus, monkeypatch):
     assert not torch.distributed.is_initialized()
     monkeypatch.setenv('DTNB_DEVICE', 'cpu')
     assert current_device() == torch.device('cpu')
-    monkeypatch.delenv('DTNB_DEVICE'); monkeypatch.setenv('LOCAL_WORLD_SIZE', '2'); monkeypatch.setenv('WORLD_SIZE', '2')
+    monkeypatch.delenv('DTNB_DEVICE')
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '2'); monkeypatch.setenv('WORLD_SIZE', '2')
     assert current_device() == torch.device('cuda', 1)
