@@ -263,57 +263,131 @@ def _mem():
     except ImportError: return None, None
 
 # %% ../nbs/00a_device.ipynb #6626181f
-def _cuda_devices(torch):
-    out = []
-    for i in range(torch.cuda.device_count()):
+def _torch_cuda_facts(torch) -> dict:
+    "torch's view of each visible CUDA device and of peer access between them (this initialises CUDA)"
+    n, devs = torch.cuda.device_count(), []
+    for i in range(n):
         p = torch.cuda.get_device_properties(i)
-        feats = capability_features(p.major, p.minor)
-        if torch.version.hip: feats['bf16'] = feats['fp16'] = True  # ROCm reports gfx arch, not CUDA capability
         try: free, total = torch.cuda.mem_get_info(i)
         except Exception: free, total = None, p.total_memory
-        peaks, src = peak_tflops(p.name)
-        cap = getattr(p, 'gcnArchName', None) if torch.version.hip else f"{p.major}.{p.minor}"
-        out.append(DeviceInfo('cuda', i, p.name, cap, total, free, p.multi_processor_count, None,
-                              feats['bf16'], feats['tf32'], feats['fp8'], peaks, src))
+        bus = getattr(p, 'pci_bus_id', None)  # the PCI address is how NVML finds the same device
+        devs.append(dict(name=p.name, cc=[p.major, p.minor], arch=getattr(p, 'gcnArchName', None), total=total,
+                         free=free, sms=p.multi_processor_count, uuid=str(getattr(p, 'uuid', '')) or None,
+                         bus_id=None if bus is None else f"{p.pci_domain_id:08X}:{bus:02X}:{p.pci_device_id:02X}.0"))
+    p2p = [[i == j or bool(torch.cuda.can_device_access_peer(i, j)) for j in range(n)] for i in range(n)]
+    return dict(devices=devs, p2p=p2p)
+
+# %% ../nbs/00a_device.ipynb #65905a6d
+_CHILD = "import json, torch; from dtnb.device import _torch_cuda_facts; print(json.dumps(_torch_cuda_facts(torch)))"
+_child_facts = {}  # (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER) -> facts: device properties do not change
+
+def _child_cuda_facts(timeout:float=120) -> dict:
+    "`_torch_cuda_facts` asked of a short-lived child process, so CUDA is never initialised in this one"
+    import subprocess, json, dtnb
+    key = os.environ.get('CUDA_VISIBLE_DEVICES'), os.environ.get('CUDA_DEVICE_ORDER')
+    if key in _child_facts: return _child_facts[key]
+    path = [os.path.dirname(os.path.dirname(os.path.abspath(dtnb.__file__))), os.environ.get('PYTHONPATH', '')]
+    try:
+        r = subprocess.run([sys.executable, '-c', _CHILD], capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, 'PYTHONPATH': os.pathsep.join(p for p in path if p)})
+        out = json.loads(r.stdout.splitlines()[-1]) if r.returncode == 0 else dict(error=r.stderr.strip()[-300:])
+    except subprocess.TimeoutExpired: out = dict(error=f"the device query took over {timeout:g} s")
+    except (ValueError, IndexError): out = dict(error=f"the device query printed no result: {r.stdout[-300:]!r}")
+    _child_facts[key] = out
     return out
 
+# %% ../nbs/00a_device.ipynb #346acdb4
+def _nvml():
+    "The `pynvml` module, initialised, or a note saying why not"
+    try: import pynvml
+    except ImportError: return "unknown: install nvidia-ml-py (pip install dtnb[nvml]) for NVLink details"
+    try: pynvml.nvmlInit(); return pynvml
+    except Exception as e: return f"unknown: NVML failed ({e})"
+
+def _s(x): return x.decode() if isinstance(x, bytes) else x
+
+def _nvml_handles(nv, bus_ids):
+    "NVML handle of each visible CUDA device, in CUDA order"
+    if bus_ids and all(bus_ids): return [nv.nvmlDeviceGetHandleByPciBusId(b) for b in bus_ids]
+    allh = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
+    vis = os.environ.get('CUDA_VISIBLE_DEVICES')
+    if vis is None: return allh  # assumes CUDA's order is NVML's (PCI bus) order
+    uuids, out = [_s(nv.nvmlDeviceGetUUID(h)) for h in allh], []
+    for v in (v.strip() for v in vis.split(',')):
+        if v.isdigit(): hit = [int(v)] if int(v) < len(allh) else []
+        else: hit = [i for i, u in enumerate(uuids) if v[:4] == u[:4] == 'GPU-' and u.startswith(v)]
+        if len(hit) != 1: break  # CUDA stops at the first entry it cannot use
+        out.append(allh[hit[0]])
+    return out
+
+# %% ../nbs/00a_device.ipynb #1fddf414
+def _nvml_facts(nv, h) -> dict:
+    "NVML's view of one device, for when the child query failed"
+    mem = nv.nvmlDeviceGetMemoryInfo(h)
+    try: cc = list(nv.nvmlDeviceGetCudaComputeCapability(h))
+    except nv.NVMLError: cc = None
+    return dict(name=_s(nv.nvmlDeviceGetName(h)), cc=cc, total=mem.total, free=mem.free, sms=None,
+                uuid=_s(nv.nvmlDeviceGetUUID(h)), bus_id=_s(nv.nvmlDeviceGetPciInfo(h).busId))
+
+def _nvlink(nv, handles) -> dict:
+    "Active NVLink links of each handle"
+    out = {}
+    for i, h in enumerate(handles):
+        out[i] = 0
+        for link in range(getattr(nv, 'NVML_NVLINK_MAX_LINKS', 18)):
+            try: out[i] += nv.nvmlDeviceGetNvLinkState(h, link) == nv.NVML_FEATURE_ENABLED
+            except nv.NVMLError: break
+    return out
+
+# %% ../nbs/00a_device.ipynb #cc47b9cc
+def _cuda_info(i, f, hip) -> DeviceInfo:
+    cc = f.get('cc')
+    feats = capability_features(*cc) if cc else dict(bf16=False, tf32=False, fp8=False, fp16=False)
+    if hip: feats['bf16'] = feats['fp16'] = True  # ROCm reports gfx arch, not CUDA capability
+    peaks, src = peak_tflops(f['name'])
+    cap = f.get('arch') if hip else (f"{cc[0]}.{cc[1]}" if cc else None)
+    return DeviceInfo('cuda', i, f['name'], cap, f['total'], f['free'], f['sms'], None,
+                      feats['bf16'], feats['tf32'], feats['fp8'], peaks, src)
+
+def _cuda_devices(torch, initialized:bool):
+    "The visible CUDA devices, their peer-access matrix and NVLink links, without initialising CUDA here"
+    n = torch.cuda.device_count()
+    if not n: return [], None, None
+    facts = _torch_cuda_facts(torch) if initialized else _child_cuda_facts()
+    unknown = dict(name=f"CUDA device (query failed: {facts.get('error', '')[-80:]})", total=None, free=None, sms=None)
+    nv, devs = _nvml(), facts.get('devices', [unknown] * n)
+    links = nv
+    if not isinstance(nv, str):
+        try:
+            handles = _nvml_handles(nv, [d.get('bus_id') for d in devs])[:n]
+            if 'error' in facts: devs = [_nvml_facts(nv, h) for h in handles]
+            elif not initialized:  # free memory now, not when the child looked (with its own context open)
+                for d, h in zip(devs, handles): d['free'] = nv.nvmlDeviceGetMemoryInfo(h).free
+            links = _nvlink(nv, handles)
+        except Exception as e: links = f"unknown: NVML failed ({e})"
+    p2p = facts.get('p2p') if len(devs) > 1 else None
+    return [_cuda_info(i, f, torch.version.hip) for i, f in enumerate(devs)], p2p, links
+
+# %% ../nbs/00a_device.ipynb #e84fae40
 def _other_accelerators(torch):
     out = []
     if getattr(torch.backends, 'mps', None) is not None and torch.backends.mps.is_available():
-        out.append(DeviceInfo('mps', 0, 'Apple MPS', total_memory=getattr(torch.mps, 'recommended_max_memory', lambda: None)(), bf16=True))
+        mem = getattr(torch.mps, 'recommended_max_memory', lambda: None)()
+        out.append(DeviceInfo('mps', 0, 'Apple MPS', total_memory=mem, bf16=True))
     if hasattr(torch, 'xpu') and torch.xpu.is_available():
         for i in range(torch.xpu.device_count()):
             p = torch.xpu.get_device_properties(i)
             peaks, src = peak_tflops(p.name)
-            out.append(DeviceInfo('xpu', i, p.name, None, getattr(p, 'total_memory', None), None, getattr(p, 'gpu_subslice_count', None),
-                                  bf16=True, peak_tflops=peaks, peak_source=src))
+            out.append(DeviceInfo('xpu', i, p.name, None, getattr(p, 'total_memory', None), None,
+                                  getattr(p, 'gpu_subslice_count', None), bf16=True, peak_tflops=peaks,
+                                  peak_source=src))
     return out
-
-# %% ../nbs/00a_device.ipynb #346acdb4
-def _p2p_matrix(torch, n):
-    return [[i == j or bool(torch.cuda.can_device_access_peer(i, j)) for j in range(n)] for i in range(n)]
-
-def _nvlink(n):
-    "Active NVLink links per GPU from NVML, or a note saying why not"
-    try: import pynvml
-    except ImportError: return "unknown: install nvidia-ml-py for NVLink details"
-    try:
-        pynvml.nvmlInit()
-        out = {}
-        for i in range(n):
-            h, up = pynvml.nvmlDeviceGetHandleByIndex(i), 0
-            for link in range(getattr(pynvml, 'NVML_NVLINK_MAX_LINKS', 18)):
-                try: up += pynvml.nvmlDeviceGetNvLinkState(h, link) == pynvml.NVML_FEATURE_ENABLED
-                except pynvml.NVMLError: break
-            out[i] = up
-        return out
-    except Exception as e: return f"unknown: NVML failed ({e})"
 
 # %% ../nbs/00a_device.ipynb #8db97ba4
 def _torch_build(torch):
     nccl = None
     try:
-        if torch.cuda.is_available() or torch.version.cuda: nccl = '.'.join(map(str, torch.cuda.nccl.version()))
+        if torch.version.cuda: nccl = '.'.join(map(str, torch.cuda.nccl.version()))
     except Exception: pass
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return dict(version=torch.__version__, cuda=torch.version.cuda, hip=torch.version.hip,
@@ -346,9 +420,12 @@ def _recommend(devices, backends, cuda_init, threads):
     else: dtype, why = 'fp32', f"{dev.name} has no fast bf16"
     fork_safe = not cuda_init
     fork_why = ("CUDA is already initialised in this process: forked ranks cannot use it; use start_method='spawn' "
-                "or restart the kernel and launch before touching CUDA") if cuda_init else "CUDA not initialised in this process"
-    if threads > 1 and fork_safe: fork_why += f"; {threads} threads running (dtnb forks only before it starts any of its own)"
-    return dict(device=dev.type, backend=backend, dtype=dtype, dtype_reason=why, fork_safe=fork_safe, fork_reason=fork_why)
+                "or restart the kernel and launch before touching CUDA") if cuda_init else \
+               "CUDA not initialised in this process"
+    if threads > 1 and fork_safe:
+        fork_why += f"; {threads} threads running (dtnb forks only before it starts any of its own)"
+    return dict(device=dev.type, backend=backend, dtype=dtype, dtype_reason=why, fork_safe=fork_safe,
+                fork_reason=fork_why)
 
 # %% ../nbs/00a_device.ipynb #2a30a241
 def _device_rows(r):
@@ -413,14 +490,12 @@ class DeviceReport:
 
 # %% ../nbs/00a_device.ipynb #d7e92b6d
 def detect(env:Mapping|None=None) -> DeviceReport:
-    "Detect host, torch build, devices, backends and launch environment"
+    "Detect host, torch build, devices, backends and launch environment, without initialising CUDA"
     import torch
-    devices = [_cpu_device()]
-    if torch.cuda.is_available(): devices += _cuda_devices(torch)
-    devices += _other_accelerators(torch)
-    ncuda = sum(d.type == 'cuda' for d in devices)
-    backends, cuda_init, threads = _backends(), torch.cuda.is_initialized(), threading.active_count()
+    cuda_init = torch.cuda.is_initialized()  # first: what fork safety depends on is the state before we looked
+    cuda, p2p, nvlink = _cuda_devices(torch, cuda_init)
+    devices = [_cpu_device()] + cuda + _other_accelerators(torch)
+    backends, threads = _backends(), threading.active_count()
     return DeviceReport(_host(), _torch_build(torch), devices, backends, parse_launch_env(env), in_notebook(),
-                        cuda_init, threads, _p2p_matrix(torch, ncuda) if ncuda > 1 else None,
-                        _nvlink(ncuda) if ncuda else None, _recommend(devices, backends, cuda_init, threads),
+                        cuda_init, threads, p2p, nvlink, _recommend(devices, backends, cuda_init, threads),
                         datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'))

@@ -127,3 +127,117 @@ def test_mpi_launch_summary_names_the_launcher():
             "master 127.0.0.1:") in str(r)
     assert 'all 2 ranks on this node: 127.0.0.1, port from OMPI_MCA_ess_base_jobid' in r.launch.summary()
     assert detect({}).launch.summary() == 'none (single process)'
+
+# --- GPU detection on this CPU machine (issue 15, defects 1 and 6) ---------------------------------------------------
+# torch stays the real CPU build and torch.distributed is never replaced. What is replaced is the device query layer:
+# torch.cuda's counting and property calls, the child query's answer, and `pynvml`. The stand-in answers are shaped
+# like a 4x H100 80GB HBM3 node's (datasheet figures: 132 SMs, capability 9.0, 81559 MiB); they were not measured here.
+import sys, types
+from types import SimpleNamespace
+import torch
+import dtnb.device as device_mod
+
+BUS = ['00000000:18:00.0', '00000000:2A:00.0', '00000000:3A:00.0', '00000000:5D:00.0']  # NVML numbers by PCI bus
+UUIDS = ['GPU-aaaa0000-1111', 'GPU-bbbb0000-2222', 'GPU-cccc0000-3333', 'GPU-dddd0000-4444']
+LINKS = [18, 16, 12, 6]  # NVLink links up per NVML device: distinct, so a result shows which device was asked
+H100 = dict(name='NVIDIA H100 80GB HBM3', cc=[9, 0], arch=None, total=81559 * 2**20, free=80000 * 2**20, sms=132)
+
+
+class FakeNVML(types.ModuleType):
+    "pynvml for a node of 4 GPUs; records the handles whose NVLink state was asked"
+    NVML_FEATURE_ENABLED, NVML_NVLINK_MAX_LINKS = 1, 18
+    class NVMLError(Exception): pass
+    def __init__(self): super().__init__('pynvml'); self.asked = set()
+    def nvmlInit(self): pass
+    def nvmlDeviceGetCount(self): return 4
+    def nvmlDeviceGetHandleByIndex(self, i): return i
+    def nvmlDeviceGetHandleByPciBusId(self, bus): return BUS.index(bus)
+    def nvmlDeviceGetUUID(self, h): return UUIDS[h]
+    def nvmlDeviceGetName(self, h): return H100['name']
+    def nvmlDeviceGetMemoryInfo(self, h): return SimpleNamespace(total=H100['total'], free=H100['free'] - h, used=0)
+    def nvmlDeviceGetCudaComputeCapability(self, h): return (9, 0)
+    def nvmlDeviceGetPciInfo(self, h): return SimpleNamespace(busId=BUS[h])
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        self.asked.add(h); return int(link < LINKS[h])
+
+
+def _props(i):  # what get_device_properties returns on NVML device i (only reachable once CUDA is initialised)
+    return SimpleNamespace(name=H100['name'], major=9, minor=0, total_memory=H100['total'], multi_processor_count=132,
+                           pci_domain_id=0, pci_bus_id=int(BUS[i].split(':')[1], 16), pci_device_id=0,
+                           uuid=UUIDS[i][4:])
+
+
+@pytest.fixture
+def gpu_node(monkeypatch):
+    "CUDA_VISIBLE_DEVICES=2,3 on the 4-GPU node; returns (calls to CUDA-initialising functions, fake pynvml)"
+    calls, nv = [], FakeNVML()
+    def record(name, result):
+        def f(*a, **k): calls.append(name); return result(*a) if callable(result) else result
+        return f
+    monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '2,3')
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)  # torch counts through NVML: no CUDA init
+    for name, result in [('is_available', True), ('_lazy_init', None), ('can_device_access_peer', True),
+                         ('get_device_properties', lambda i: _props(i + 2)),
+                         ('mem_get_info', (H100['free'], H100['total']))]:
+        monkeypatch.setattr(torch.cuda, name, record(name, result))
+    facts = dict(devices=[dict(H100, uuid=UUIDS[i][4:], bus_id=BUS[i]) for i in (2, 3)], p2p=[[True] * 2] * 2)
+    # what the child process answers
+    monkeypatch.setattr(device_mod, '_child_cuda_facts', lambda *a, **k: facts, raising=False)
+    monkeypatch.setitem(sys.modules, 'pynvml', nv)
+    return calls, nv
+
+
+def test_detect_never_initialises_cuda(gpu_node):
+    calls, _ = gpu_node
+    r = detect()
+    assert calls == [], f"detect() called CUDA-initialising functions in this process: {calls}"
+    assert torch.cuda.is_initialized() is False and r.cuda_initialized is False
+    assert r.recommended['fork_safe'] is True and 'not initialised' in r.recommended['fork_reason']
+    gpus = r.accelerators
+    assert [(g.key, g.name, g.capability, g.multiprocessors) for g in gpus] == \
+        [('cuda:0', H100['name'], '9.0', 132), ('cuda:1', H100['name'], '9.0', 132)]
+    assert gpus[0].total_memory == H100['total'] and gpus[0].free_memory == H100['free'] - 2  # live, from NVML
+    assert gpus[0].bf16 and gpus[0].fp8 and gpus[0].peak_tflops['bf16'] == 989.4
+    assert r.p2p == [[True, True], [True, True]] and r.recommended['device'] == 'cuda'
+
+
+def test_nvlink_maps_visible_devices_by_bus_id(gpu_node):
+    _, nv = gpu_node
+    assert detect().nvlink == {0: LINKS[2], 1: LINKS[3]}  # torch's cuda:0 is NVML's device 2
+    assert nv.asked == {2, 3}
+
+
+@pytest.mark.parametrize('visible', ['2,3', 'GPU-cccc,GPU-dddd'])
+def test_nvlink_maps_cuda_visible_devices_without_bus_ids(gpu_node, monkeypatch, visible):
+    "No bus ids (ROCm, an older torch): NVML devices come from CUDA_VISIBLE_DEVICES, indices or UUID prefixes"
+    _, nv = gpu_node
+    monkeypatch.setenv('CUDA_VISIBLE_DEVICES', visible)
+    facts = dict(devices=[dict(H100, bus_id=None) for _ in range(2)], p2p=[[True, True], [True, True]])
+    monkeypatch.setattr(device_mod, '_child_cuda_facts', lambda *a, **k: facts, raising=False)
+    assert detect().nvlink == {0: LINKS[2], 1: LINKS[3]} and nv.asked == {2, 3}
+
+
+def test_failed_child_query_falls_back_to_nvml(gpu_node, monkeypatch):
+    calls, _ = gpu_node
+    monkeypatch.setattr(device_mod, '_child_cuda_facts', lambda *a, **k: dict(error='timed out'), raising=False)
+    gpus = detect().accelerators
+    assert calls == []
+    assert [(g.name, g.capability, g.multiprocessors) for g in gpus] == [(H100['name'], '9.0', None)] * 2
+    assert [g.free_memory for g in gpus] == [H100['free'] - 2, H100['free'] - 3]
+
+
+def test_detect_with_cuda_already_initialised_asks_torch_here(gpu_node, monkeypatch):
+    "Once CUDA is initialised, asking torch in this process costs nothing more: fork is already unsafe"
+    calls, nv = gpu_node
+    monkeypatch.setattr(torch.cuda, 'is_initialized', lambda: True)
+    r = detect()
+    assert 'get_device_properties' in calls and r.recommended['fork_safe'] is False
+    assert r.nvlink == {0: LINKS[2], 1: LINKS[3]}  # bus ids from torch's properties
+    assert [g.multiprocessors for g in r.accelerators] == [132, 132]
+
+
+def test_child_query_runs_here_without_touching_cuda(monkeypatch):
+    "The real child query on this CPU build: a separate process answers, and this one stays uninitialised"
+    monkeypatch.setattr(device_mod, '_child_facts', {})
+    assert device_mod._child_cuda_facts() == dict(devices=[], p2p=[])
+    assert torch.cuda.is_initialized() is False

@@ -169,3 +169,57 @@ def test_launch_in_process_leaves_nothing():
     with pytest.raises(LaunchError, match=r"did not finish within timeout=2s"):
         launch(time.sleep, 30, nprocs=2, timeout=2)
     assert ranks_left() == []
+
+
+# --- More ranks than accelerators (issue 15, defect 2) ----------------------------------------------------------------
+# torch stays the real CPU build and the process groups are real gloo groups; only torch.accelerator's answers (which
+# accelerator torch was built for, how many devices it counts) are a stand-in, for a node with `n` CUDA GPUs.
+import torch
+from dtnb.launcher import launch, init_distributed, current_device, shutdown, free_port
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    def node(n):
+        monkeypatch.setattr(torch.accelerator, 'current_accelerator', lambda *a, **k: torch.device('cuda'))
+        monkeypatch.setattr(torch.accelerator, 'device_count', lambda: n)
+        monkeypatch.setattr(torch.accelerator, 'is_available', lambda: True)
+    return node
+
+
+def _where(): return str(current_device())
+
+
+def test_more_ranks_than_gpus_fails_before_any_rank_starts(gpus):
+    gpus(1)
+    with pytest.raises(ValueError, match=r"2 ranks on this node but 1 cuda device\b") as e: launch(_where, nprocs=2)
+    assert "nprocs=1" in str(e.value) and "backend='gloo', device='cpu'" in str(e.value)
+    assert ranks_left() == []
+
+
+def test_gloo_with_more_ranks_than_gpus_runs_cpu_ranks(gpus):
+    gpus(1)
+    assert launch(_where, nprocs=2, backend='gloo') == ['cpu', 'cpu']
+
+
+def test_device_cpu_runs_cpu_ranks_beside_gpus(gpus):
+    gpus(2)
+    assert launch(_where, nprocs=2, device='cpu') == ['cpu', 'cpu']
+    with pytest.raises(ValueError, match="device='cpu' needs backend='gloo'"):
+        launch(_where, nprocs=2, device='cpu', backend='nccl')
+
+
+def test_torchrun_with_more_local_ranks_than_gpus(gpus, monkeypatch):
+    "Under torchrun the same rule holds in each rank: init_distributed names the counts before joining any group"
+    gpus(2)
+    for k, v in dict(TORCHELASTIC_RUN_ID='t', RANK='1', WORLD_SIZE='4', LOCAL_RANK='1', LOCAL_WORLD_SIZE='4',
+                     GROUP_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match="4 ranks on this node but 2 cuda devices"):
+        init_distributed('gloo', timeout=5)
+    assert not torch.distributed.is_initialized()
+    monkeypatch.setenv('DTNB_DEVICE', 'cpu')
+    assert current_device() == torch.device('cpu')
+    monkeypatch.delenv('DTNB_DEVICE')
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '2'); monkeypatch.setenv('WORLD_SIZE', '2')
+    assert current_device() == torch.device('cuda', 1)
