@@ -7,6 +7,7 @@ Docs: https://dtnb-dev.github.io/dtnb/cli.html.md"""
 # %% ../nbs/10_cli.ipynb #c002
 from __future__ import annotations
 import argparse, json, sys
+from pathlib import Path
 
 # %% auto #0
 __all__ = ['parser', 'main']
@@ -15,7 +16,17 @@ __all__ = ['parser', 'main']
 def _env(args):
     from dtnb.device import detect
     r = detect()
+    if args.html: return _html_out(args.html, 'dtnb env', [('machine', 'Machine', r._repr_markdown_())],
+                                   r.fingerprint())
     print(json.dumps(r.to_dict(), indent=2) if args.json else r)
+    return 0
+
+def _html_out(path, title, sections, subtitle=''):
+    "Print a styled HTML page (`path` '-') or write it to `path`"
+    from dtnb.reporting import html_page
+    page = html_page(title, sections, subtitle)
+    if path == '-': print(page)
+    else: Path(path).write_text(page); print(f"wrote {path}", file=sys.stderr)
     return 0
 
 # %% ../nbs/10_cli.ipynb #c007
@@ -37,8 +48,9 @@ def _launch(args):
 
 # %% ../nbs/10_cli.ipynb #c009
 def _report(args):
-    from dtnb.reporting import report
-    rep = report(out=args.out, quick=args.quick, model=args.model, sections=args.sections)
+    from dtnb import report
+    rep = report(out=args.out, quick=args.quick, model=args.model, input_shape=args.input_shape, batch=args.batch,
+                 dataset=args.dataset, sections=args.sections)
     print(rep)
     print(f"\nwrote {args.out}/report.md, report.html, results.json and plots", file=sys.stderr)
     return 0 if rep.ok else 1
@@ -61,6 +73,12 @@ def _plan(args):
     print(json.dumps(r.to_dict(), indent=2) if args.json else r)
     return 0
 
+def _size(s):
+    "An argparse type: bytes from '80GB', '80GiB' or '8e10', with parse_size's message when it cannot read one"
+    from dtnb.utils import parse_size
+    try: return parse_size(s)
+    except ValueError as e: raise argparse.ArgumentTypeError(str(e)) from None
+
 def _add_plan(sub):
     p = sub.add_parser('plan', help="bytes per device for each parallel strategy, and the one that fits")
     p.add_argument('--params', type=float, help="parameter count, e.g. 7.5e9 (default: from the transformer shape)")
@@ -71,7 +89,7 @@ def _add_plan(sub):
     p.add_argument('--world-size', type=int, help="devices (default: this machine's accelerators, else 1)")
     p.add_argument('--optimizer', default='adamw', choices=['sgd', 'momentum', 'adam', 'adamw'])
     p.add_argument('--precision', choices=['fp32', 'mixed', 'amp', 'bf16'], help="default: amp where the device computes bf16/fp16, else fp32")
-    p.add_argument('--memory', type=float, help="bytes per device, e.g. 80e9 (default: detected)")
+    p.add_argument('--memory', type=_size, help="per device: 80GB, 80GiB or bytes (8e10); default: detected")
     p.add_argument('--margin', type=float, default=0.1, help="fraction of device memory kept free")
     p.add_argument('--strategy', help="print the one estimate of this strategy instead of the plan: single, ddp, zero1, zero2, zero3, fsdp")
     p.add_argument('--checkpoint', action='store_true', help="with --strategy: activation checkpointing")
@@ -136,12 +154,20 @@ def _add_checkpoints(sub):
     x.set_defaults(func=_export)
 
 # %% ../nbs/10_cli.ipynb #c018
+def _shape(s):
+    "An argparse type: '3,32,32' -> (3, 32, 32)"
+    try: shape = tuple(int(x) for x in s.replace('x', ',').split(','))
+    except ValueError: shape = ()
+    if not shape or min(shape) < 1: raise argparse.ArgumentTypeError(f"{s!r}: write sizes like 3,32,32")
+    return shape
+
 def parser() -> argparse.ArgumentParser:
     "The `dtnb` command-line parser with all its subcommands"
     p = argparse.ArgumentParser(prog='dtnb', description="Take PyTorch training from one device to many.")
     sub = p.add_subparsers(dest='command', metavar='COMMAND')
     e = sub.add_parser('env', help="what this machine and this launch can do for training")
     e.add_argument('--json', action='store_true', help="print the report as JSON")
+    e.add_argument('--html', nargs='?', const='-', metavar='FILE', help="print (or write to FILE) a styled HTML page")
     e.set_defaults(func=_env)
     l = sub.add_parser('launch', help="run a script on N local ranks through torchrun",
                        usage="dtnb launch -n N [torchrun options] script.py [script args]")
@@ -155,8 +181,12 @@ def parser() -> argparse.ArgumentParser:
     _add_checkpoints(sub)
     r = sub.add_parser('report', help="run the whole report on this machine: devices, strategies, loader, benchmarks")
     r.add_argument('--out', default='dtnb-report', help="folder for report.md, report.html, results.json and plots")
-    r.add_argument('--quick', action='store_true', help="small sizes: under 3 minutes on 2 CPU cores")
+    r.add_argument('--quick', action='store_true', help="small sizes: about a minute on 2 CPU cores")
     r.add_argument('--model', default=None, help="module:factory building your model (default: dtnb's example)")
+    r.add_argument('--input-shape', type=_shape, metavar='C,H,W', help="one sample's input shape: random inputs, "
+                   "targets derived from the model's output (K>1 classes: labels + cross-entropy; else mse)")
+    r.add_argument('--batch', metavar='MODULE:FN', help="FN() returns one (inputs, targets) batch of your data")
+    r.add_argument('--dataset', metavar='MODULE:FN', help="FN() returns your Dataset of (input, target) samples")
     r.add_argument('--sections', nargs='+', default=None, help="only these sections")
     r.set_defaults(func=_report)
     return p
