@@ -77,6 +77,7 @@ def _sync_reasons(data, n) -> list:
         out.append(f"syncing {fmt_bytes(grad)} of gradients at the measured all-reduce busbw ({bw:.2g} GB/s) takes "
                    f"about {sync * 1e3:.2g} ms per step, {'more than' if sync > step else 'a part of'} the "
                    f"{step * 1e3:.2g} ms of a whole step in one process")
+    elif grad: out.append("the sync time is not estimated: no all-reduce bandwidth measured (bench section not run)")
     rows = ((bench.get('scaling') or {}).get('rows')) or []
     if len(rows) > 1:
         a, b = rows[0], rows[-1]

@@ -13,3 +13,9 @@ def make_batch():
     "One (images, labels) batch of 32 samples for `--batch models_cnn:make_batch`"
     g = torch.Generator().manual_seed(0)
     return torch.randn(32, 3, 32, 32, generator=g), torch.randint(10, (32,), generator=g)
+
+
+def make_dataset(n:int=256):
+    "A map-style dataset of (image, label) samples for `--dataset models_cnn:make_dataset`"
+    x, y = make_batch()
+    return torch.utils.data.TensorDataset(x.repeat(n // 32, 1, 1, 1), y.repeat(n // 32))
