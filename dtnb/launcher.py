@@ -10,6 +10,7 @@ import os, sys, io, gc, time, signal, socket, tempfile, threading, traceback, at
 import multiprocessing as mp
 from multiprocessing.connection import wait as _wait
 from .device import parse_launch_env, usable_cores, LaunchEnvError
+from .utils import accelerators
 
 # %% auto #0
 __all__ = ['BACKENDS', 'default_backend', 'check_backend', 'current_device', 'RendezvousError', 'init_distributed', 'rank',
@@ -20,16 +21,9 @@ __all__ = ['BACKENDS', 'default_backend', 'check_backend', 'current_device', 'Re
 BACKENDS = {'gloo': 'CPU tensors (and GPUs, slowly)', 'nccl': 'NVIDIA GPUs', 'xccl': 'Intel GPUs',
             'mpi': 'an MPI-enabled torch build', 'ucc': 'a UCC-enabled torch build'}
 
-def _accelerators() -> tuple:
-    "This node's accelerator type and count, `(None, 0)` for none; asked without initialising CUDA"
-    import torch
-    acc = torch.accelerator.current_accelerator()  # what torch was built for: no runtime call
-    n = torch.accelerator.device_count() if acc is not None else 0  # CUDA: counted through NVML
-    return (acc.type, n) if n else (None, 0)
-
 def default_backend() -> str:
     "The collective backend for this machine's accelerator: nccl for CUDA, xccl for XPU, gloo otherwise"
-    return {'cuda': 'nccl', 'xpu': 'xccl'}.get(_accelerators()[0], 'gloo')
+    return {'cuda': 'nccl', 'xpu': 'xccl'}.get(accelerators()[0], 'gloo')
 
 # %% ../nbs/01_launcher.ipynb #cccac57c
 def check_backend(backend:str|None) -> str:
@@ -52,7 +46,7 @@ def _oversubscribed(nprocs, n, acc) -> str:
 def current_device():
     "This rank's device: the CPU under `DTNB_DEVICE=cpu`, else the accelerator at index `LOCAL_RANK`, else the CPU"
     import torch
-    acc, n = _accelerators()
+    acc, n = accelerators()
     if os.environ.get('DTNB_DEVICE') == 'cpu' or acc is None: return torch.device('cpu')
     if acc == 'mps': return torch.device('mps')
     le = parse_launch_env()
@@ -305,7 +299,7 @@ def _check_args(fn, nprocs):
 
 def _placement(nprocs, backend, device):
     "Backend and device of `nprocs` local ranks: one accelerator each, or CPU ranks on gloo when asked"
-    acc, n = _accelerators()
+    acc, n = accelerators()
     if device not in (None, 'cpu'):
         raise ValueError(f"device={device!r}: pass device='cpu' for CPU ranks, or None for one {acc or 'device'} per rank")
     if device == 'cpu' or (backend == 'gloo' and acc not in (None, 'mps') and nprocs > n):
@@ -420,7 +414,7 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
            **kwargs):
     "Run `fn(*args, **kwargs)` on `nprocs` local ranks with the process group initialised; return results in rank order"
     _check_args(fn, nprocs)
-    acc, n = _accelerators()
+    acc, n = accelerators()
     if nprocs is None: nprocs = n if acc not in (None, 'mps') else 2
     backend, device = _placement(nprocs, backend, device)
     backend = check_backend(backend)

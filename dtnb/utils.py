@@ -12,9 +12,9 @@ from torch.utils import _pytree as pytree
 
 # %% auto #0
 __all__ = ['DTYPES', 'PRECISIONS', 'md_table', 'text_table', 'fmt_bytes', 'parse_size', 'percentile', 'in_notebook',
-           'progress_bar', 'tree_map_tensors', 'tensors', 'to_device', 'accelerator_type', 'default_device',
-           'synchronize', 'require_group', 'broadcast_from_rank0', 'dtype_name', 'as_dtype', 'check_precision',
-           'autocast', 'shard_numel']
+           'progress_bar', 'tree_map_tensors', 'tensors', 'to_device', 'accelerators', 'accelerator_type',
+           'default_device', 'synchronize', 'require_group', 'broadcast_from_rank0', 'dtype_name', 'as_dtype',
+           'check_precision', 'autocast', 'shard_numel']
 
 # %% ../nbs/00_utils.ipynb #2c24aabb
 def md_table(header, rows) -> str:
@@ -90,10 +90,15 @@ def to_device(batch, device, non_blocking:bool=False):
     return tree_map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
 
 # %% ../nbs/00_utils.ipynb #2d77fc1d
+def accelerators() -> tuple:
+    "This node's accelerator type and device count, `(None, 0)` for none; asked without initialising CUDA"
+    acc = torch.accelerator.current_accelerator()  # what torch was built for: no runtime call
+    n = torch.accelerator.device_count() if acc is not None else 0  # CUDA: counted through NVML
+    return (acc.type, n) if n else (None, 0)
+
 def accelerator_type() -> str|None:
-    "The accelerator type torch sees ('cuda', 'xpu', 'mps', ...), or None on a CPU-only machine"
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    return acc.type if acc is not None else None
+    "The accelerator type this process can use ('cuda', 'xpu', 'mps', ...), or None on a CPU-only machine"
+    return accelerators()[0]
 
 def default_device() -> torch.device:
     "This process's accelerator (with its index) when there is one, else the CPU"
