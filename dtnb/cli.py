@@ -63,12 +63,16 @@ def _plan(args):
         raise ValueError("a transformer shape needs all of --layers, --hidden, --heads and --seq-len")
     shape = TransformerShape(**dims, batch=args.batch, vocab=args.vocab) if all(dims.values()) else None
     model = args.params or shape
-    if model is None: raise ValueError("give --params (e.g. --params 7.5e9) or a transformer shape (--layers --hidden --heads --seq-len)")
+    if model is None:
+        raise ValueError("give --params (e.g. --params 7.5e9) or a transformer shape "
+                         "(--layers --hidden --heads --seq-len)")
     if args.strategy:
-        r = estimate_memory(model, args.strategy, args.world_size or 1, args.optimizer, args.precision or 'fp32', shape=shape,
+        r = estimate_memory(model, args.strategy, args.world_size or 1, args.optimizer, args.precision or 'fp32',
+                            shape=shape,
                             checkpoint=args.checkpoint, offload=args.offload)
     else:
-        r = recommend(model, shape=shape, world_size=args.world_size, optimizer=args.optimizer, precision=args.precision,
+        r = recommend(model, shape=shape, world_size=args.world_size, optimizer=args.optimizer,
+                      precision=args.precision,
                       memory=args.memory, margin=args.margin)
     print(json.dumps(r.to_dict(), indent=2) if args.json else r)
     return 0
@@ -83,7 +87,8 @@ def _add_plan(sub):
     p = sub.add_parser('plan', help="bytes per device for each parallel strategy, and the one that fits")
     p.add_argument('--params', type=float, help="parameter count, e.g. 7.5e9 (default: from the transformer shape)")
     p.add_argument('--layers', type=int); p.add_argument('--hidden', type=int); p.add_argument('--heads', type=int)
-    p.add_argument('--seq-len', type=int, help="with --layers/--hidden/--heads: activations from Korthikanti et al.'s formula")
+    p.add_argument('--seq-len', type=int,
+                   help="with --layers/--hidden/--heads: activations from Korthikanti et al.'s formula")
     p.add_argument('--batch', type=int, default=1, help="micro-batch per device")
     p.add_argument('--vocab', type=int, default=0)
     p.add_argument('--world-size', type=int, help="devices (default: this machine's accelerators, else 1)")
@@ -92,7 +97,8 @@ def _add_plan(sub):
                    help="default: bf16-mixed (autocast) where the device computes bf16 fast, else fp32")
     p.add_argument('--memory', type=_size, help="per device: 80GB, 80GiB or bytes (8e10); default: detected")
     p.add_argument('--margin', type=float, default=0.1, help="fraction of device memory kept free")
-    p.add_argument('--strategy', help="print the one estimate of this strategy instead of the plan: single, ddp, zero1, zero2, zero3, fsdp")
+    p.add_argument('--strategy', help="print the one estimate of this strategy instead of the plan: "
+                                      "single, ddp, zero1, zero2, zero3, fsdp")
     p.add_argument('--checkpoint', action='store_true', help="with --strategy: activation checkpointing")
     p.add_argument('--offload', action='store_true', help="with --strategy: CPU offload")
     p.add_argument('--json', action='store_true', help="print as JSON")
@@ -124,7 +130,8 @@ def _loader(args):
 def _add_loader(sub):
     d = sub.add_parser('loader', help="is training input-bound? profile and tune a DataLoader on a synthetic dataset")
     d.add_argument('--quick', action='store_true', help="short trials: about 10 s instead of a minute")
-    d.add_argument('--mode', choices=('cpu', 'sleep', 'memory'), default='cpu', help="synthetic samples: CPU work, I/O-like waits, or samples in memory")
+    d.add_argument('--mode', choices=('cpu', 'sleep', 'memory'), default='cpu',
+                   help="synthetic samples: CPU work, I/O-like waits, or samples in memory")
     d.add_argument('--cost-ms', type=float, default=2.0, help="cost of one synthetic sample in milliseconds")
     d.add_argument('--batch-size', type=int, default=32, help="samples per batch")
     d.add_argument('--json', action='store_true', help="print the report as JSON")
