@@ -22,7 +22,8 @@ def _bench(root, d, depth, repeats):
     from dtnb.launcher import rank, barrier
     from dtnb.ddp import wrap
     import torch.distributed.checkpoint as dcp
-    from dtnb.checkpoint import save_checkpoint, load_checkpoint, export_model, checkpoint_path, _crc, _state
+    from dtnb.checkpoint import save_checkpoint, load_checkpoint, checkpoint_path, _crc, state_dicts
+    from dtnb.export import export_model
     model = wrap(_model(d, depth), 'ddp')
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(8, 64)
@@ -44,7 +45,7 @@ def _bench(root, d, depth, repeats):
             with open(root / f'plain_sync_{i}.pt', 'wb') as f:
                 torch.save(dict(model=model.module.state_dict(), optim=opt.state_dict()), f); f.flush(); os.fsync(f.fileno())
     r['torch_save_fsync'] = timed(plain_fsync)
-    sd = _state(model, opt)[0]
+    sd = state_dicts(model, opt)[0]
     r['dcp'] = timed(lambda i: dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(root / f'dcp_{i}'))))
     files = [p for p in (root / 'dtnb').glob('step_*/*') if p.is_file()]
     r['bytes'] = sum(p.stat().st_size for p in files)

@@ -146,7 +146,8 @@ def _checkpoints(args):
 
 def _export(args):
     import torch
-    from dtnb.checkpoint import export_checkpoint, CheckpointError
+    from dtnb.checkpoint import CheckpointError
+    from dtnb.export import export_checkpoint
     dt = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
     try: print(export_checkpoint(args.checkpoint, args.out, dtype=dt))
     except (CheckpointError, FileNotFoundError) as e: raise ValueError(str(e)) from None

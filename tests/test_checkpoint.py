@@ -23,7 +23,8 @@ def _run(args, timeout=240):
 def test_sigkill_restart_resumes_bitwise(tmp_path):
     "One rank SIGKILLs itself at step 7 of 12; torchrun restarts the group; fit resumes at 6; the end equals a clean run"
     from dtnb.launcher import launch
-    from dtnb.checkpoint import load_exported, list_checkpoints
+    from dtnb.checkpoint import list_checkpoints
+    from dtnb.export import load_exported
     sys.path.insert(0, str(ROOT / 'tests' / 'scripts'))
     from train_ckpt import train
     ref = launch(train, 12, 3, str(tmp_path / 'ref'), str(tmp_path / 'ref.pt'), nprocs=2)[0]  # the same script, never killed
@@ -43,7 +44,7 @@ def _pipeline_run(schedule, steps, ckdir, out):
     from dtnb.ddp import wrap, distributed_loader
     from dtnb.models import ToyModel, toy_data
     from dtnb.train import fit
-    from dtnb.checkpoint import export_model
+    from dtnb.export import export_model
     torch.manual_seed(0)
     pipe = wrap(ToyModel(), 'pipeline', loss_fn=nn.functional.mse_loss, n_microbatches=4, schedule=schedule)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
@@ -58,7 +59,8 @@ def _pipeline_load(schedule, ckdir, out):
     "Load a pipeline checkpoint into another split of the model, then export it"
     from dtnb.ddp import wrap
     from dtnb.models import ToyModel
-    from dtnb.checkpoint import load_checkpoint, export_model
+    from dtnb.checkpoint import load_checkpoint
+    from dtnb.export import export_model
     pipe = wrap(ToyModel(seed=5), 'pipeline', loss_fn=nn.functional.mse_loss, n_microbatches=4, schedule=schedule)
     load_checkpoint(ckdir, pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2))
     export_model(out, pipe)
@@ -68,7 +70,8 @@ def test_pipeline_resumes_bitwise_and_loads_in_any_split(tmp_path):
     "Interleaved pipeline (two stages per rank): stop at 5, resume to 10 = 10 straight; the checkpoint loads on one process and in another split"
     from dtnb.launcher import launch
     from dtnb.models import ToyModel
-    from dtnb.checkpoint import load_checkpoint, load_exported
+    from dtnb.checkpoint import load_checkpoint
+    from dtnb.export import load_exported
     ck = str(tmp_path / 'ck')
     straight = launch(_pipeline_run, 'interleaved1f1b', 10, None, tmp_path / 'straight.pt', nprocs=2)
     launch(_pipeline_run, 'interleaved1f1b', 5, ck, tmp_path / 'half.pt', nprocs=2)
@@ -94,7 +97,7 @@ def test_pipeline_resumes_bitwise_and_loads_in_any_split(tmp_path):
 def test_resume_with_loader_workers_and_own_generator():
     "A shuffled DataLoader with 2 workers and its own generator resumes mid-epoch on the same batches"
     from torch.utils.data import DataLoader, TensorDataset
-    from dtnb.checkpoint import resumable, rng_state, set_rng_state
+    from dtnb.resume import resumable, rng_state, set_rng_state
     ds = TensorDataset(torch.arange(40))
     def make(): return resumable(DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(1)))
     a = make()

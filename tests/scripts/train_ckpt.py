@@ -13,7 +13,7 @@ from dtnb.launcher import init_distributed, shutdown, rank, is_main, world_size
 from dtnb.ddp import wrap, distributed_loader
 from dtnb.models import ToyModel, toy_data
 from dtnb.train import fit
-from dtnb.checkpoint import export_model
+from dtnb.export import export_model
 
 
 def train(steps=12, every=3, dir=None, out=None, kill_at=0, kill_rank=1) -> dict:
