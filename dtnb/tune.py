@@ -11,7 +11,7 @@ from dataclasses import dataclass, asdict
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
-from .utils import md_table, text_table, fmt_bytes, progress_bar
+from .utils import md_table, text_table, fmt_bytes, progress_bar, default_device
 from .device import usable_cores, parse_launch_env
 from .data import (SyntheticDataset, guard, batch_stats, empty_loader_error, sample_error, stop_workers,
                        fmt_settings, plural, HAS_IN_ORDER)
@@ -395,13 +395,15 @@ class LoaderReport:
     def _repr_markdown_(self): return md_table(('loader report', ''), self.rows())
     def __str__(self): return '\n'.join(f"{k:>8}: {v}" for k, v in self.rows()) + f"\n\n{self.tuning}"
 
-def _toy_step(shape, n_classes=10):
-    "A training step for (image, label) batches: a small MLP with SGD"
+def _toy_step(shape, n_classes=10, device=None):
+    "A training step for (image, label) batches: a small MLP with SGD, on `device` (default: where batches go)"
     model = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(shape), 256), nn.ReLU(), nn.Linear(256, n_classes))
+    model.to(default_device() if device is None else device)  # the device input_bound moves batches to
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     def step(batch):
         x, y = batch
         nn.functional.cross_entropy(model(x), y).backward(); opt.step(); opt.zero_grad()
+    step.model = model
     return step
 
 # %% ../nbs/05b_tune.ipynb #81355832
@@ -411,6 +413,7 @@ def loader_report(dataset=None,             # default: the CPU-bound synthetic s
                   n_steps:int|None=None,    # steps per verdict; default 30 (10 when quick)
                   quick:bool=False,         # short trials (0.3 s) and verdicts: seconds instead of a minute
                   progress:bool|None=None,
+                  device=None,              # where steps run; default: this process's accelerator, else the CPU
                   **loader_kwargs) -> LoaderReport: # the loader as given (num_workers=... included)
     "Is training input-bound with `DataLoader(dataset, batch_size, **loader_kwargs)`? Tune it, give the verdict again"
     if dataset is None: dataset = SyntheticDataset(1024 if quick else 4096, cost_ms=2, mode='cpu')
@@ -419,11 +422,13 @@ def loader_report(dataset=None,             # default: the CPU-bound synthetic s
         if not isinstance(base, SyntheticDataset):
             raise ValueError("pass train_step(batch) for your dataset: "
                              "the built-in toy step only knows the synthetic ones")
-        train_step = _toy_step(base.shape, base.n_classes)
+        train_step = _toy_step(base.shape, base.n_classes, device)
     n_steps = n_steps or (10 if quick else 30)
     fixed = {k: v for k, v in loader_kwargs.items() if k not in _SEARCHED}
     loader = DataLoader(dataset, batch_size=batch_size, **loader_kwargs)
-    before = input_bound(train_step, loader, n_steps, warmup=2, progress=progress)
+    before = input_bound(train_step, loader, n_steps, warmup=2, device=device, progress=progress)
     tuning = tune_loader(dataset, batch_size, trial_s=0.3 if quick else 1.0, progress=progress, **fixed)
-    after = input_bound(train_step, DataLoader(dataset, **tuning.kwargs), n_steps, progress=progress)
+    after = input_bound(train_step, DataLoader(dataset, **tuning.kwargs), n_steps, device=device, progress=progress)
     return LoaderReport(before, tuning, after, {k: v for k, v in loader_kwargs.items() if k in _SEARCHED})
+
+
