@@ -10,7 +10,7 @@ import os, sys, time, datetime, traceback, importlib
 from dataclasses import dataclass
 from pathlib import Path
 from .device import detect
-from .utils import md_table, text_table
+from .utils import md_table, text_table, accelerators
 from .reporting import Section, Report, fig_ref, fold, write_report
 
 # %% auto #0
@@ -170,11 +170,18 @@ def _row(s, r, nprocs, cmp, one):
             f"{r['samples_per_s']:,.0f}", f"{r['samples_per_s'] / one:.2f}×" if one else '-')
 
 # %% ../nbs/07a_sections.ipynb #8141cc8d
+def _placement(nprocs):
+    "CPU ranks when this machine has fewer accelerators than `nprocs` (one accelerator per rank, or none)"
+    acc, n = accelerators()
+    if acc and n < nprocs: return 'cpu', f"{n} {acc} device(s) for {nprocs} ranks: every run on CPU ranks (gloo)"
+    return None, ''
+
 def _launch_runs(task, steps, nprocs):
     from dtnb import launch
-    runs = {}
+    runs, device = {}, _placement(nprocs)[0]
     for s in ['single'] + STRATEGY_RUNS:
-        try: runs[s] = launch(_train_strategy, s, steps, task, nprocs=1 if s == 'single' else nprocs)[0]
+        n = 1 if s == 'single' else nprocs
+        try: runs[s] = launch(_train_strategy, s, steps, task, nprocs=n, device=device)[0]
         except Exception as e: runs[s] = dict(failed=f"{type(e).__name__}: {str(e).strip()[:600]}")
     return runs
 
@@ -196,7 +203,9 @@ def training_section(quick=True, task=None, nprocs=2, **_) -> Section:
                "`nn.SyncBatchNorm` makes them equal under DDP).")
     cols = ('strategy', 'ranks', 'steps', 'first loss', 'last loss', 'max |Δloss| vs single', 'samples/s', 'speed-up')
     lr = 0.05 if task.model is None else 0.01
+    where = _placement(nprocs)[1]
     head = f"Task: {task.describe()}; {steps} steps of SGD (lr {lr}), global batch 16."
+    if where: head += f" {where}."
     failed = [s for s, r in runs.items() if 'failed' in r]
     md = '\n\n'.join([head, md_table(cols, rows), verdict, '\n'.join(notes)])
     txt = '\n'.join([head, text_table(cols, rows), verdict, *notes])
@@ -205,6 +214,8 @@ def training_section(quick=True, task=None, nprocs=2, **_) -> Section:
                 description=task.describe())
     return Section('Training: every strategy, same losses', md, txt, data,
                    error=f"strategies failed: {', '.join(failed)}" if failed else None)
+
+
 
 # %% ../nbs/07a_sections.ipynb #f9d48485
 class _TaskSamples:
