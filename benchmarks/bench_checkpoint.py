@@ -22,7 +22,8 @@ def _bench(root, d, depth, repeats):
     from dtnb.launcher import rank, barrier
     from dtnb.ddp import wrap
     import torch.distributed.checkpoint as dcp
-    from dtnb.checkpoint import save_checkpoint, load_checkpoint, checkpoint_path, _crc, state_dicts
+    from dtnb.checkpoint import save_checkpoint, checkpoint_path, _crc, state_dicts
+    from dtnb.load import load_checkpoint
     from dtnb.export import export_model
     model = wrap(_model(d, depth), 'ddp')
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -1,4 +1,4 @@
-"""Save that survives a crash, load on any number of ranks, resume on exactly the batches you would have seen, and nothing unpickled that could run code.
+"""Save that survives a crash: shards, RNG states and data position of every rank, committed atomically.
 
 Docs: https://dtnb-dev.github.io/dtnb/checkpoint.html.md"""
 
@@ -6,19 +6,18 @@ Docs: https://dtnb-dev.github.io/dtnb/checkpoint.html.md"""
 
 # %% ../nbs/04a_checkpoint.ipynb #c002
 from __future__ import annotations
-import os, re, json, time, uuid, zlib, pickle, shutil, warnings, threading, functools, contextlib, collections
+import os, re, json, time, uuid, zlib, shutil, warnings, threading, contextlib, collections
 from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 from torch import nn
 from .utils import md_table, text_table, broadcast_from_rank0
-from .resume import rng_state, set_rng_state
+from .resume import rng_state
 
 # %% auto #0
 __all__ = ['FORMAT', 'VERSION', 'MARKER', 'CheckpointError', 'checkpoint_path', 'dist_or_none', 'rank_world',
            'all_gather_objects', 'quiet', 'agree', 'state_dicts', 'AsyncSave', 'save_checkpoint', 'read_marker',
-           'CheckpointList', 'list_checkpoints', 'latest_checkpoint', 'prune_checkpoints', 'check_metadata', 'safe_dcp',
-           'mismatch', 'verify_checkpoint', 'resolve', 'Checkpoint', 'load_checkpoint']
+           'CheckpointList', 'list_checkpoints', 'latest_checkpoint', 'prune_checkpoints']
 
 # %% ../nbs/04a_checkpoint.ipynb #c006
 FORMAT, VERSION, MARKER = 'dtnb-checkpoint', 1, '.complete'
@@ -80,7 +79,8 @@ def _module(model) -> nn.Module:
     mods = getattr(model, 'modules', None)
     if isinstance(mods, (list, tuple)) and mods and all(isinstance(m, nn.Module) for m in mods):
         return mods[0] if len(mods) == 1 else _Stages(mods)
-    raise TypeError(f"checkpoints need the model as an nn.Module (plain, DDP or FSDP) or a dtnb pipeline; got {type(model).__name__}")
+    raise TypeError(f"checkpoints need the model as an nn.Module (plain, DDP or FSDP) or a dtnb pipeline; got "
+                    f"{type(model).__name__}")
 
 # %% ../nbs/04a_checkpoint.ipynb #c011
 def _unprefix(kind, key):
@@ -111,7 +111,8 @@ def _set_state(model, optimizer, sd, back):
 
 def _shapes(sd:dict) -> dict:
     "{kind: {key: global shape, or None for a non-tensor}}, merged over all ranks (stages hold different keys)"
-    mine = {kind: {k: list(v.shape) if isinstance(v, torch.Tensor) else None for k, v in d.items()} for kind, d in sd.items()}
+    mine = {kind: {k: list(v.shape) if isinstance(v, torch.Tensor) else None for k, v in d.items()}
+            for kind, d in sd.items()}
     out = {}
     for part in all_gather_objects(mine):
         for kind, d in part.items(): out.setdefault(kind, {}).update(d)
@@ -140,7 +141,8 @@ def _load_pt(path):
     "torch.load with weights_only=True: tensors, numbers, strings and containers of them; nothing else is run"
     try: return torch.load(path, map_location='cpu', weights_only=True)
     except FileNotFoundError: raise CheckpointError(f"{path} is missing: the checkpoint is incomplete") from None
-    except Exception as e: raise CheckpointError(f"{path} cannot be read safely ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
+    except Exception as e: raise CheckpointError(f"{path} cannot be read safely ({type(e).__name__}: "
+                                                 f"{str(e).splitlines()[0][:300]})") from None
 
 # %% ../nbs/04a_checkpoint.ipynb #c028
 _PLAIN = (int, float, bool, str, bytes, type(None), torch.Tensor, nn.Parameter, torch.Size, torch.dtype, torch.device)
@@ -149,13 +151,16 @@ def _check_extra(x, where='extra'):
     "Refuse a value `torch.load(weights_only=True)` could not read back, naming it"
     if type(x) in (dict, collections.OrderedDict):
         for k, v in x.items():
-            if type(k) not in (str, int): raise TypeError(f"{where} has a key {k!r} of type {type(k).__name__}: use str or int keys")
+            if type(k) not in (str, int):
+                raise TypeError(f"{where} has a key {k!r} of type {type(k).__name__}: use str or int keys")
             _check_extra(v, f"{where}[{k!r}]")
     elif type(x) in (list, tuple):
         for i, v in enumerate(x): _check_extra(v, f"{where}[{i}]")
     elif type(x) not in _PLAIN:
-        raise TypeError(f"{where} is a {type(x).__module__}.{type(x).__name__}, which a checkpoint cannot hold: everything is "
-                        "loaded back with weights_only=True, so use tensors, numbers, strings, None and lists/tuples/dicts of "
+        raise TypeError(f"{where} is a {type(x).__module__}.{type(x).__name__}, which a checkpoint cannot hold: "
+                        f"everything is "
+                        "loaded back with weights_only=True, so use tensors, numbers, strings, None and "
+                        "lists/tuples/dicts of "
                         "them (for an object with state, pass obj.state_dict())")
 
 # %% ../nbs/04a_checkpoint.ipynb #c029
@@ -164,7 +169,8 @@ def _hash_files(tmp:Path) -> dict:
     r, ws = rank_world()
     names = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != MARKER)
     files = {}
-    for part in all_gather_objects({n: [os.path.getsize(tmp / n), _crc(tmp / n)] for n in names[r::ws]}): files.update(part)
+    for part in all_gather_objects({n: [os.path.getsize(tmp / n), _crc(tmp / n)] for n in names[r::ws]}):
+        files.update(part)
     return files
 
 def _commit(tmp:Path, path:Path, meta:dict, files:dict, keep:int|None):
@@ -195,7 +201,8 @@ class AsyncSave:
         "Rank 0, in the writer thread: checksum every file, write the marker, rename"
         try:
             fut.result()
-            files = {p.name: [p.stat().st_size, _crc(p)] for p in sorted(self._tmp.iterdir()) if p.is_file() and p.name != MARKER}
+            files = {p.name: [p.stat().st_size, _crc(p)] for p in sorted(self._tmp.iterdir())
+                     if p.is_file() and p.name != MARKER}
             _commit(self._tmp, self.path, self._meta, files, self._keep)
         except BaseException as e: self._error = e
         finally: self._committed.set()
@@ -213,7 +220,8 @@ class AsyncSave:
             self._committed.wait()
             if self._error is not None: raise self._error
         except BaseException as e:
-            problem = str(_save_error(self.path, e)) if getattr(e, 'failures', None) else f"background save of {self.path} failed: {type(e).__name__}: {e}"
+            if getattr(e, 'failures', None): problem = str(_save_error(self.path, e))
+            else: problem = f"background save of {self.path} failed: {type(e).__name__}: {e}"
             if rank_world()[0] == 0: shutil.rmtree(self._tmp, ignore_errors=True)
         agree(problem)
         return self.path
@@ -232,33 +240,41 @@ def save_checkpoint(path,                        # directory to create, e.g. che
                     model,                       # nn.Module (plain, DDP, FSDP) or a dtnb pipeline
                     optimizer:torch.optim.Optimizer|None=None,
                     *, step:int=0,               # the training step this state is at
-                    loader=None,                 # a `resumable(...)` loader (or any with state_dict()): the data position
-                    keep:int|None=None,          # then delete older checkpoints beside `path`, keeping the newest `keep`
+                    loader=None,                 # a `resumable(...)` loader (any with state_dict()): the data position
+                    keep:int|None=None,          # then delete older checkpoints beside `path`, keep the newest `keep`
                     async_save:bool=False,       # write in the background; returns an `AsyncSave` to `wait()` on
                     **extra,                     # anything else to keep: tensors, numbers, strings, lists/dicts of them
                    ) -> Path|AsyncSave:
-    "Save model, optimizer, step, RNG states and data position from every rank; `path` appears only when complete. A collective"
+    "Save model, optimizer, step, RNG states and data position from every rank; `path` appears only when complete. A "
+    "collective"
     import torch.distributed.checkpoint as dcp
     path = Path(path)
     _wait_pending()
     _check_extra(extra)
     if loader is not None and not callable(getattr(loader, 'state_dict', None)):
-        raise TypeError(f"loader={type(loader).__name__} cannot report its position: wrap it with resumable(loader) before iterating")
-    if keep is not None and (not isinstance(keep, int) or keep < 1): raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint, or None for all")
+        raise TypeError(f"loader={type(loader).__name__} cannot report its position: wrap it with resumable(loader) "
+                        f"before iterating")
+    if keep is not None and (not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint, or None for all")
     r, ws = rank_world()
     sd, _ = state_dicts(model, optimizer)
-    meta = dict(format=FORMAT, version=VERSION, step=int(step), world_size=ws, saved_at=time.time(), torch=torch.__version__,
+    meta = dict(format=FORMAT, version=VERSION, step=int(step), world_size=ws, saved_at=time.time(),
+                torch=torch.__version__,
                 **{k: v for k, v in _shapes(sd).items()}, extra=sorted(extra))
     meta.setdefault('optim', None)
     path0, token = broadcast_from_rank0((str(path), uuid.uuid4().hex[:12]))
-    agree(None if str(path) == path0 else f"rank {r} saves to {path} but rank 0 to {path0}: pass the same path on every rank", ValueError)
+    agree(None if str(path) == path0 else f"rank {r} saves to {path} but rank 0 to {path0}: pass the same path on "
+                                          f"every rank", ValueError)
     tmp = path.with_name(f"{path.name}.tmp-{token}")
     tmp.mkdir(parents=True, exist_ok=True)
-    _write_pt(dict(rank=r, world_size=ws, rng=rng_state(), data=loader.state_dict() if loader is not None else None), tmp / _rank_file(r))
+    _write_pt(dict(rank=r, world_size=ws, rng=rng_state(), data=loader.state_dict() if loader is not None else None),
+              tmp / _rank_file(r))
     if r == 0: _write_pt(extra, tmp / 'extra.pt')
     writer = dcp.FileSystemWriter(str(tmp))
     if async_save:
-        with quiet(): fut = dcp.async_save(sd, storage_writer=writer, process_group=_async_group(), no_dist=dist_or_none() is None)
+        with quiet():
+            fut = dcp.async_save(sd, storage_writer=writer, process_group=_async_group(),
+                                 no_dist=dist_or_none() is None)
         return AsyncSave(path, tmp, meta, fut, keep)
     try:
         with quiet(): dcp.save(sd, storage_writer=writer, no_dist=dist_or_none() is None)
@@ -297,12 +313,17 @@ def read_marker(p:Path) -> dict:
     "The parsed marker of checkpoint directory `p`, or a CheckpointError saying why it is not complete"
     if '.tmp-' in p.name: raise _incomplete(p, "an interrupted save (temporary name, never committed)")
     f = p / MARKER
-    if not f.exists(): raise _incomplete(p, f"no {MARKER} marker: the save that wrote it did not finish (or it is not a dtnb checkpoint)")
+    if not f.exists():
+        raise _incomplete(p, f"no {MARKER} marker: the save that wrote it did not finish (or it is not a dtnb "
+                             f"checkpoint)")
     try: meta = json.loads(f.read_text())
-    except (ValueError, UnicodeDecodeError) as e: raise _incomplete(p, f"its {MARKER} marker is damaged (not valid JSON: {e})") from None
-    if not isinstance(meta, dict) or meta.get('format') != FORMAT or not {'step', 'world_size', 'model', 'files'} <= set(meta):
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _incomplete(p, f"its {MARKER} marker is damaged (not valid JSON: {e})") from None
+    if (not isinstance(meta, dict) or meta.get('format') != FORMAT
+            or not {'step', 'world_size', 'model', 'files'} <= set(meta)):
         raise _incomplete(p, f"its {MARKER} marker is not a {FORMAT} marker (or it is damaged)")
-    if meta.get('version', 0) > VERSION: raise _incomplete(p, f"written by a newer dtnb (format {meta['version']} > {VERSION}): upgrade dtnb")
+    if meta.get('version', 0) > VERSION:
+        raise _incomplete(p, f"written by a newer dtnb (format {meta['version']} > {VERSION}): upgrade dtnb")
     return meta
 
 def _looks_like_checkpoint(p:Path) -> bool:
@@ -320,7 +341,8 @@ class CheckpointList:
     def latest(self) -> Path|None: return Path(self.complete[-1]['path']) if self.complete else None
     def to_dict(self): return dict(root=self.root, complete=self.complete, partial=self.partial)
     def _rows(self):
-        ok = [(Path(c['path']).name, c['step'], c['ranks'], f"{c['bytes'] / 2**20:.2f} MiB", time.strftime('%H:%M:%S', time.localtime(c['saved_at'])), 'complete')
+        ok = [(Path(c['path']).name, c['step'], c['ranks'], f"{c['bytes'] / 2**20:.2f} MiB",
+               time.strftime('%H:%M:%S', time.localtime(c['saved_at'])), 'complete')
               for c in self.complete]
         return ok + [(Path(c['path']).name, '-', '-', '-', '-', 'partial: ' + c['why']) for c in self.partial]
     _cols = ('checkpoint', 'step', 'ranks', 'size', 'saved', 'state')
@@ -351,7 +373,8 @@ def latest_checkpoint(root, warn:bool=True) -> Path|None:
     return cl.latest
 
 def prune_checkpoints(root, keep:int, protect=None) -> list:
-    "Delete all but the newest `keep` complete checkpoints in `root` (never `protect`), and interrupted saves older than the newest"
+    "Delete all but the newest `keep` complete checkpoints in `root` (never `protect`), and interrupted saves older "
+    "than the newest"
     cl = list_checkpoints(root)
     doomed = [c['path'] for c in cl.complete[:-keep] if protect is None or Path(c['path']) != Path(protect)]
     newest = cl.complete[-1]['step'] if cl.complete else None
@@ -360,164 +383,3 @@ def prune_checkpoints(root, keep:int, protect=None) -> list:
         if m and newest is not None and int(m.group(1)) < newest: doomed.append(c['path'])
     for p in doomed: shutil.rmtree(p, ignore_errors=True)
     return doomed
-
-# %% ../nbs/04a_checkpoint.ipynb #c045
-_META_CLASSES = {('torch', 'Size'), ('torch.serialization', '_get_layout'), ('collections', 'OrderedDict'),
-                 ('pathlib', 'PosixPath'), ('pathlib', 'WindowsPath'), ('pathlib', 'PurePosixPath'), ('pathlib', 'PureWindowsPath'),
-                 ('torch.distributed.checkpoint.filesystem', '_StorageInfo')} | {
-                 ('torch.distributed.checkpoint.metadata', n) for n in ('Metadata', 'MetadataIndex', 'StorageMeta', 'TensorProperties',
-                  'TensorStorageMetadata', 'BytesStorageMetadata', 'ChunkStorageMetadata', '_MEM_FORMAT_ENCODING')}
-
-class _MetadataUnpickler(pickle.Unpickler):
-    "Unpickles DCP metadata and nothing else: any other class or function is refused, not run"
-    def find_class(self, module, name):
-        if (module, name) in _META_CLASSES or (module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise CheckpointError(f"the checkpoint's .metadata asks to load {module}.{name}, which is not part of checkpoint metadata: "
-                              "refused (nothing was run). Is it from a source you trust?")
-
-def check_metadata(path:Path):
-    "Unpickle the DCP metadata with the allow-list first, so a refusal is reported as itself (DCP would wrap it)"
-    with open(path / '.metadata', 'rb') as f: _MetadataUnpickler(f).load()
-
-# %% ../nbs/04a_checkpoint.ipynb #c046
-@functools.cache
-def safe_dcp():
-    "DCP's file reader and load planners, made safe: metadata through `_MetadataUnpickler`, values with weights_only=True"
-    from torch.distributed.checkpoint import FileSystemReader, DefaultLoadPlanner
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.metadata import StorageMeta
-    from torch.distributed.checkpoint._traverse import set_element
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            with self.fs.create_stream(self.fs.concat_path(self.path, '.metadata'), 'rb') as f: md = _MetadataUnpickler(f).load()
-            if getattr(md, 'storage_meta', None) is None: md.storage_meta = StorageMeta()
-            md.storage_meta.load_id = self.load_id
-            return md
-
-    class SafeBytes:
-        def load_bytes(self, read_item, value):
-            obj = torch.load(value, weights_only=True)
-            if self.flatten_state_dict: set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else: self.state_dict[read_item.dest_index.fqn] = obj
-
-    class SafePlanner(SafeBytes, DefaultLoadPlanner): pass
-    class SafeEmptyPlanner(SafeBytes, _EmptyStateDictLoadPlanner): pass
-    return SafeReader, SafePlanner, SafeEmptyPlanner
-
-# %% ../nbs/04a_checkpoint.ipynb #c047
-def _few(items, n=8) -> str:
-    items = list(items)
-    return ', '.join(items[:n]) + (f", ... and {len(items) - n} more" if len(items) > n else '')
-
-def _by_kind(keys) -> list:
-    "Optimizer keys grouped by what they hold: 'state.*.exp_avg (28 parameters)' (state names have no dots)"
-    groups = {}
-    for k in keys:
-        head, _, rest = k.partition('.')
-        fqn, _, name = rest.rpartition('.')
-        groups.setdefault(f"{head}.*.{name}", []).append(fqn)
-    return [f"{g} ({len(v)} parameter{'s' if len(v) > 1 else ''})" for g, v in groups.items()]
-
-def mismatch(saved:dict, have:dict, what:str, grouped:bool=False) -> list:
-    "Lines naming what is missing, unexpected or reshaped between a checkpoint's shapes and the model's"
-    shape = lambda s: 'value' if s is None else str(s)
-    missing = [k for k in have if k not in saved]
-    unexpected = [k for k in saved if k not in have]
-    reshaped = [k for k in have if k in saved and saved[k] != have[k]]
-    name = (lambda ks, d: _by_kind(ks)) if grouped else (lambda ks, d: [f"{k} {shape(d[k])}" for k in ks])
-    out = []
-    if missing: out.append(f"{what} in the model but not in the checkpoint ({len(missing)}): " + _few(name(missing, have)))
-    if unexpected: out.append(f"{what} in the checkpoint but not in the model ({len(unexpected)}): " + _few(name(unexpected, saved)))
-    if reshaped: out.append(f"{what} with another shape ({len(reshaped)}): " + _few(f"{k} checkpoint {shape(saved[k])} vs model {shape(have[k])}" for k in reshaped))
-    return out
-
-def _check_fits(path, meta, shapes, with_optimizer):
-    lines = mismatch(meta['model'], shapes['model'], 'parameters/buffers')
-    if with_optimizer:
-        if meta.get('optim') is None: lines.append("the checkpoint holds no optimizer state: pass optimizer=None to load the model alone")
-        else: lines += mismatch(meta['optim'], shapes['optim'], 'optimizer state', grouped=True)
-    if lines: raise CheckpointError(f"checkpoint {path} does not match this model; nothing was loaded:\n  " + '\n  '.join(lines))
-
-# %% ../nbs/04a_checkpoint.ipynb #c048
-def verify_checkpoint(path:Path, meta:dict, collective:bool=True):
-    "Every file the marker lists is present, of its size and CRC32; each rank checks a share, all raise. A collective"
-    r, ws = rank_world() if collective else (0, 1)
-    bad = []
-    for name, (size, crc) in sorted(meta['files'].items())[r::ws]:
-        f = path / name
-        if not f.is_file(): bad.append(f"{name}: missing")
-        elif (n := f.stat().st_size) != size: bad.append(f"{name}: {n:,} bytes instead of {size:,} ({'truncated' if n < size else 'grown'})")
-        elif _crc(f) != crc: bad.append(f"{name}: checksum mismatch (corrupted)")
-    if collective: bad = [b for part in all_gather_objects(bad) for b in part]
-    bad = sorted(bad)
-    if bad: raise CheckpointError(f"checkpoint {path} is damaged; nothing was loaded:\n  " + '\n  '.join(bad) +
-                                  f"\nload an earlier one (list_checkpoints('{path.parent}'))")
-
-def resolve(path) -> Path:
-    "A checkpoint directory, or the newest complete checkpoint of a directory of them"
-    p = Path(path)
-    if not p.exists():
-        near = list_checkpoints(p.parent).complete if p.parent.is_dir() else []
-        raise FileNotFoundError(f"checkpoint {p} does not exist" + (f"; {p.parent} holds: {_few(Path(c['path']).name for c in near)}" if near else ''))
-    if _looks_like_checkpoint(p): return p
-    latest = latest_checkpoint(p)
-    if latest is None:
-        partial = list_checkpoints(p).partial
-        raise CheckpointError(f"{p} holds no complete checkpoint" + (f" (partial: {_few(Path(c['path']).name for c in partial)})" if partial else ''))
-    return latest
-
-# %% ../nbs/04a_checkpoint.ipynb #c049
-@dataclass
-class Checkpoint:
-    "What `load_checkpoint` restored"
-    path: str
-    step: int
-    extra: dict          # the extras given to save_checkpoint
-    saved_ranks: int     # ranks that saved it
-    ranks: int           # ranks that loaded it
-    rng_restored: bool   # RNG states restored (only when the number of ranks is the same)
-    data: dict|None = None  # the data position restored into `loader` (epoch, offset)
-
-    def to_dict(self): return dict(path=self.path, step=self.step, extra=sorted(self.extra), saved_ranks=self.saved_ranks,
-                                   ranks=self.ranks, rng_restored=self.rng_restored, data=self.data)
-    def _rows(self):
-        return [('checkpoint', self.path), ('step', self.step), ('ranks', f"saved on {self.saved_ranks}, loaded on {self.ranks}"),
-                ('RNG states', 'restored' if self.rng_restored else 'not restored (different number of ranks)'),
-                ('data position', f"epoch {self.data['epoch']}, {self.data['offset']} batches served" if self.data else '-'),
-                ('extras', ', '.join(sorted(self.extra)) or '-')]
-    def _repr_markdown_(self): return md_table(('', ''), self._rows())
-    def __str__(self): return text_table(('', ''), self._rows())
-
-# %% ../nbs/04a_checkpoint.ipynb #c050
-def load_checkpoint(path,                     # a checkpoint directory, or a directory of them (then its newest complete one)
-                    model,                    # the same model, built the same way (any strategy, any number of ranks)
-                    optimizer:torch.optim.Optimizer|None=None,
-                    *, loader=None,           # a `resumable(...)` loader to put back at the saved data position
-                    rng:bool=True,            # restore each rank's RNG states (when saved on as many ranks)
-                    verify:bool=True,         # check every file's size and checksum first
-                   ) -> Checkpoint:
-    "Restore a `save_checkpoint` checkpoint into `model`, `optimizer` and `loader`, on any number of ranks; nothing is unpickled unsafely. A collective"
-    import torch.distributed.checkpoint as dcp
-    _wait_pending()
-    path = resolve(path)
-    meta = read_marker(path)
-    if verify: verify_checkpoint(path, meta)
-    check_metadata(path)
-    sd, back = state_dicts(model, optimizer)
-    _check_fits(path, meta, _shapes(sd), optimizer is not None)
-    Reader, Planner, _ = safe_dcp()
-    with quiet(): dcp.load(sd, storage_reader=Reader(str(path)), planner=Planner(), no_dist=dist_or_none() is None)
-    _set_state(model, optimizer, sd, back)
-    r, ws = rank_world()
-    same = ws == meta['world_size']
-    mine = _load_pt(path / _rank_file(r if r < meta['world_size'] else 0))
-    if rng and same: set_rng_state(mine['rng'])
-    if loader is not None:
-        if mine['data'] is None: raise CheckpointError(f"{path} holds no data position (it was saved without loader=)")
-        if not callable(getattr(loader, 'load_state_dict', None)): raise TypeError("loader= needs a resumable(...) loader to restore the data position into")
-        loader.load_state_dict(mine['data'])
-    d = mine['data']
-    return Checkpoint(str(path), meta['step'], _load_pt(path / 'extra.pt'), meta['world_size'], ws, bool(rng and same),
-                      dict(epoch=d['epoch'], offset=d['offset']) if d else None)

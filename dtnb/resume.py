@@ -19,7 +19,8 @@ def rng_state() -> dict:
     import numpy as np
     kind, st, pos, has_gauss, cached = np.random.get_state()
     s = dict(torch=torch.get_rng_state(), python=random.getstate(),
-             numpy=dict(kind=kind, state=torch.from_numpy(st.astype('int64')), pos=int(pos), has_gauss=int(has_gauss), cached=float(cached)))
+             numpy=dict(kind=kind, state=torch.from_numpy(st.astype('int64')), pos=int(pos), has_gauss=int(has_gauss),
+                        cached=float(cached)))
     dev = current_device()
     if dev.type != 'cpu': s[dev.type] = torch.get_device_module(dev.type).get_rng_state()
     return s
@@ -62,7 +63,8 @@ def _skipping_iter(dl, n:int):
     "Iterator over DataLoader `dl`'s epoch, without its first `n` batches (their samples are never loaded)"
     from torch.utils.data import DataLoader
     kw = dict(num_workers=dl.num_workers, collate_fn=dl.collate_fn, pin_memory=dl.pin_memory, timeout=dl.timeout,
-              worker_init_fn=dl.worker_init_fn, multiprocessing_context=dl.multiprocessing_context, generator=dl.generator)
+              worker_init_fn=dl.worker_init_fn, multiprocessing_context=dl.multiprocessing_context,
+              generator=dl.generator)
     if dl.num_workers: kw['prefetch_factor'] = dl.prefetch_factor
     if dl.batch_sampler is not None: skip = _SkipFirst(dl.batch_sampler, n); kw['batch_sampler'] = skip
     else: skip = _SkipFirst(dl.sampler, n); kw.update(sampler=skip, batch_size=None)
@@ -75,12 +77,14 @@ def _gen_states(loader) -> dict:
     "The generator states an epoch's order is drawn from: torch's global one, and the DataLoader's and sampler's own"
     dl = _dataloader(loader)
     gens = [getattr(dl, 'generator', None), getattr(getattr(dl, 'sampler', None), 'generator', None)]
-    return dict(torch=torch.get_rng_state(), gens=[g.get_state() if isinstance(g, torch.Generator) else None for g in gens])
+    return dict(torch=torch.get_rng_state(),
+                gens=[g.get_state() if isinstance(g, torch.Generator) else None for g in gens])
 
 def _set_gen_states(loader, s:dict):
     dl = _dataloader(loader)
     torch.set_rng_state(s['torch'])
-    for g, st in zip([getattr(dl, 'generator', None), getattr(getattr(dl, 'sampler', None), 'generator', None)], s['gens']):
+    gens = [getattr(dl, 'generator', None), getattr(getattr(dl, 'sampler', None), 'generator', None)]
+    for g, st in zip(gens, s['gens']):
         if isinstance(g, torch.Generator) and st is not None: g.set_state(st)
 
 # %% ../nbs/04_resume.ipynb #5164083f
@@ -120,7 +124,7 @@ class ResumableLoader:
         now = torch.get_rng_state()  # restored by load_checkpoint: training's state at the checkpoint
         _set_gen_states(self.loader, self._start_rng)
         try: return self._epoch_iter(self.offset)
-        finally: torch.set_rng_state(now)  # the loader's own generators stay where replaying the epoch's start left them
+        finally: torch.set_rng_state(now)  # the loader's generators stay where replaying the epoch's start left them
 
     def state_dict(self) -> dict:
         return dict(epoch=self.epoch, offset=self.offset, begun=self._begun, start_rng=self._start_rng,
@@ -128,11 +132,14 @@ class ResumableLoader:
     def load_state_dict(self, sd:dict):
         g = sd.get('global_batch_size')
         if g and self.global_batch_size and g != self.global_batch_size:
-            raise ValueError(f"the checkpoint's data position counts batches of {g} samples, this loader's global batch is "
+            raise ValueError(f"the checkpoint's data position counts batches of {g} samples, this loader's global "
+                             f"batch is "
                              f"{self.global_batch_size}: resume with global_batch_size={g} to see the same samples")
         self.epoch, self.offset, self._begun, self._start_rng = sd['epoch'], sd['offset'], sd['begun'], sd['start_rng']
         self._resume = self._begun
-    def __repr__(self): return f"ResumableLoader(epoch {self.epoch}, {self.offset} of {len(self)} batches served; {self.loader!r})"
+    def __repr__(self):
+        return (f"ResumableLoader(epoch {self.epoch}, {self.offset} of {len(self)} batches served; "
+                f"{self.loader!r})")
 
 def resumable(loader) -> ResumableLoader:
     "Wrap `loader` so that a checkpoint can record, and restore, where it is"

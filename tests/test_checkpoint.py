@@ -59,7 +59,7 @@ def _pipeline_load(schedule, ckdir, out):
     "Load a pipeline checkpoint into another split of the model, then export it"
     from dtnb.ddp import wrap
     from dtnb.models import ToyModel
-    from dtnb.checkpoint import load_checkpoint
+    from dtnb.load import load_checkpoint
     from dtnb.export import export_model
     pipe = wrap(ToyModel(seed=5), 'pipeline', loss_fn=nn.functional.mse_loss, n_microbatches=4, schedule=schedule)
     load_checkpoint(ckdir, pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2))
@@ -70,7 +70,7 @@ def test_pipeline_resumes_bitwise_and_loads_in_any_split(tmp_path):
     "Interleaved pipeline (two stages per rank): stop at 5, resume to 10 = 10 straight; the checkpoint loads on one process and in another split"
     from dtnb.launcher import launch
     from dtnb.models import ToyModel
-    from dtnb.checkpoint import load_checkpoint
+    from dtnb.load import load_checkpoint
     from dtnb.export import load_exported
     ck = str(tmp_path / 'ck')
     straight = launch(_pipeline_run, 'interleaved1f1b', 10, None, tmp_path / 'straight.pt', nprocs=2)
