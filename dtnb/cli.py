@@ -39,7 +39,7 @@ def _split_launch_args(rest):
 
 def _launch(args):
     import os, subprocess
-    from dtnb.launcher import torchrun_command
+    from dtnb.torchrun import torchrun_command
     tr, script, script_args = _split_launch_args(args.rest)
     if not os.path.exists(script): raise ValueError(f"script {script!r} not found")
     cmd, env = torchrun_command(args.nprocs, script, script_args, tr)

@@ -6,208 +6,15 @@ Docs: https://dtnb-dev.github.io/dtnb/device.html.md"""
 
 # %% ../nbs/00a_device.ipynb #bd2d33c3
 from __future__ import annotations
-import os, sys, re, platform, shutil, threading, datetime, zlib
+import os, sys, re, platform, shutil, threading, datetime
 from dataclasses import dataclass, field, asdict
 from collections.abc import Mapping
 from .utils import md_table, text_table, in_notebook, fmt_bytes
+from .specs import capability_features, peak_tflops
+from .launchenv import LaunchEnv, parse_launch_env
 
 # %% auto #0
-__all__ = ['PEAK_TFLOPS', 'expand_nodelist', 'LaunchEnvError', 'LaunchEnv', 'parse_launch_env', 'capability_features',
-           'peak_tflops', 'DeviceInfo', 'usable_cores', 'DeviceReport', 'detect']
-
-# %% ../nbs/00a_device.ipynb #6de216e6
-def _expand_group(s):
-    "Expand one `prefix[1-3,7]suffix[..]` host expression into hostnames"
-    m = re.search(r'\[([^\]]*)\]', s)
-    if m is None: return [s]
-    head, tail, out = s[:m.start()], s[m.end():], []
-    for part in m.group(1).split(','):
-        lo, _, hi = part.partition('-')
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise ValueError(f"Bad SLURM node range {part!r} in {s!r}: expected forms like 'gpu[01-04,07]'")
-        for i in range(int(lo), int(hi or lo) + 1):
-            out += [f"{head}{str(i).zfill(len(lo))}{t}" for t in _expand_group(tail)]
-    return out
-
-def expand_nodelist(nodelist:str) -> list[str]:
-    "Hostnames in a SLURM node list such as `gpu[01-04,07],login1`"
-    parts, depth, cur = [], 0, ''
-    for ch in nodelist.strip():
-        depth += (ch == '[') - (ch == ']')
-        if ch == ',' and depth == 0: parts.append(cur); cur = ''
-        else: cur += ch
-    if depth: raise ValueError(f"Unbalanced brackets in SLURM node list {nodelist!r}")
-    return [h for p in parts + [cur] if p for h in _expand_group(p)]
-
-# %% ../nbs/00a_device.ipynb #f458bd16
-class LaunchEnvError(ValueError):
-    "A launcher variable is malformed or inconsistent"
-
-def _int_var(env, name, minimum=0, example='2'):
-    "Read `env[name]` as an int >= `minimum`, or None when unset"
-    v = env.get(name)
-    if v is None or v == '': return None
-    want = f"expected a whole number >= {minimum}, e.g. {name}={example}"
-    try: i = int(v)
-    except ValueError: raise LaunchEnvError(f"{name}={v!r} is not an integer; {want}") from None
-    if i < minimum: raise LaunchEnvError(f"{name}={v!r} is out of range; {want}")
-    return i
-
-# %% ../nbs/00a_device.ipynb #298c8903
-_PMI = ('PMI_RANK', 'PMI_SIZE', ('MPI_LOCALRANKID', 'PMI_LOCAL_RANK'), ('MPI_LOCALNRANKS', 'PMI_LOCAL_SIZE'), None)
-_LAUNCHERS = {  # launcher: (rank, world size, local rank, local world size, node rank) variable names;
-    # a tuple lists alternative names, the first one set wins. Open MPI's OMPI_COMM_WORLD_NODE_RANK is a rank
-    # among this node's processes, not the node's index: MPI node ranks come from rank // local size.
-    'torchrun': ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'GROUP_RANK'),
-    'slurm':    ('SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID', None, 'SLURM_NODEID'),
-    'openmpi':  ('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE', 'OMPI_COMM_WORLD_LOCAL_RANK',
-                 'OMPI_COMM_WORLD_LOCAL_SIZE', None),
-    'mvapich':  ('MV2_COMM_WORLD_RANK', 'MV2_COMM_WORLD_SIZE', 'MV2_COMM_WORLD_LOCAL_RANK',
-                 'MV2_COMM_WORLD_LOCAL_SIZE', None),
-    'mpich': _PMI, 'intelmpi': _PMI, 'pmi': _PMI,  # Hydra (MPICH, Intel MPI), Cray PALS, srun --mpi=pmi2
-}
-_MPI = ('openmpi', 'mvapich', 'mpich', 'intelmpi', 'pmi')
-_LAUNCHED_BY = {'dtnb': 'dtnb.launch', 'torchrun': 'torchrun', 'slurm': 'srun (SLURM)', 'openmpi': 'mpirun (Open MPI)',
-                'mvapich': 'mpirun (MVAPICH2)', 'mpich': 'mpiexec (MPICH Hydra)', 'intelmpi': 'mpirun (Intel MPI)',
-                'pmi': 'a PMI launcher (PMI_RANK, PMI_SIZE)', 'env': 'env:// variables (RANK, WORLD_SIZE)'}
-
-def _which_launcher(env):
-    "Name of the launcher that set `env`, or None"
-    if env.get('DTNB_LAUNCH'): return 'dtnb'
-    if env.get('TORCHELASTIC_RUN_ID') or 'GROUP_RANK' in env: return 'torchrun'
-    if 'OMPI_COMM_WORLD_RANK' in env: return 'openmpi'  # before SLURM: mpirun inside an allocation sees both
-    if 'MV2_COMM_WORLD_RANK' in env: return 'mvapich'
-    if 'PMI_RANK' in env:  # Intel MPI's Hydra leaves I_MPI_* settings, MPICH's Hydra sets MPI_LOCALRANKID
-        if any(k.startswith('I_MPI_') for k in env): return 'intelmpi'
-        return 'mpich' if 'MPI_LOCALRANKID' in env else 'pmi'
-    if 'SLURM_PROCID' in env: return 'slurm'
-    if any(k in env for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK')): return 'env'  # plain env:// variables
-    return None
-
-# %% ../nbs/00a_device.ipynb #e5a8befd
-@dataclass
-class LaunchEnv:
-    "Who started this process, and its place in the job"
-    launcher: str|None = None  # 'dtnb', 'torchrun', 'slurm', 'openmpi', 'pmi', 'env' or None
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    node_rank: int = 0
-    nnodes: int = 1
-    master_addr: str|None = None
-    master_port: int|None = None
-    nodes: list = field(default_factory=list)  # hostnames of the job, where the launcher says
-    master_from: str = ''  # where master_addr and master_port came from, when not MASTER_ADDR/MASTER_PORT
-
-    @property
-    def distributed(self): return self.world_size > 1
-
-    @property
-    def launched_by(self): return _LAUNCHED_BY.get(self.launcher, self.launcher)
-
-    def summary(self) -> str:
-        "One line: who launched this process, and its place in the job"
-        if self.launcher is None: return 'none (single process)'
-        at = (f"master {self.master_addr}:{self.master_port}" if self.master_addr or self.master_port
-              else "MASTER_ADDR/MASTER_PORT unset") + (f" ({self.master_from})" if self.master_from else '')
-        return (f"launched by {self.launched_by}: rank {self.rank} of {self.world_size}, local rank {self.local_rank} "
-                f"of {self.local_world_size}, node {self.node_rank} of {self.nnodes}; {at}")
-
-# %% ../nbs/00a_device.ipynb #ab2de000
-def _slurm_extras(env, kw):
-    "Node list, node count, local world size and rendezvous address from SLURM variables"
-    nl = env.get('SLURM_JOB_NODELIST') or env.get('SLURM_NODELIST')
-    if nl: kw['nodes'] = expand_nodelist(nl)
-    kw['nnodes'] = _int_var(env, 'SLURM_NNODES', 1) or len(kw.get('nodes') or []) or 1
-    tpn = env.get('SLURM_NTASKS_PER_NODE') or env.get('SLURM_TASKS_PER_NODE', '')
-    m = re.match(r'(\d+)', tpn)
-    kw['local_world_size'] = int(m.group(1)) if m else max(1, kw['world_size'] // kw['nnodes'])
-    one_node = kw['nnodes'] == 1 and ('SLURM_NNODES' in env or bool(kw.get('nodes')))
-    addr = env.get('MASTER_ADDR') or ('127.0.0.1' if one_node else kw['nodes'][0] if kw.get('nodes') else None)
-    job = _int_var(env, 'SLURM_JOB_ID', 0, '12345')
-    port = _int_var(env, 'MASTER_PORT', 1, '29500') or (None if job is None else 15000 + job % 20000)
-    kw.update(master_addr=addr, master_port=port, master_from=', '.join(
-        ([] if 'MASTER_ADDR' in env or not addr else ['one node: 127.0.0.1' if one_node else 'first node of the job'])
-        + ([] if 'MASTER_PORT' in env or not port else ['port from SLURM_JOB_ID'])))
-
-# %% ../nbs/00a_device.ipynb #a46cea22
-_JOB_IDS = ('PMIX_NAMESPACE', 'OMPI_MCA_ess_base_jobid', 'OMPI_MCA_orte_hnp_uri', 'PALS_APID', 'SLURM_JOB_ID')
-
-def _job_port(env):
-    "A port in 15000-34999 that every rank of this launch derives alike from a shared job id, and the id's name"
-    for k in _JOB_IDS:
-        if env.get(k):
-            v = env[k] + ('.' + env.get('SLURM_STEP_ID', '') if k == 'SLURM_JOB_ID' else '')
-            return 15000 + zlib.crc32(v.encode()) % 20000, k
-    return None, None
-
-def _mpi_extras(env, kw, lws):
-    "Rendezvous address under an MPI launcher: MASTER_ADDR/MASTER_PORT, else the defaults above, else None"
-    addr, port, why = env.get('MASTER_ADDR'), _int_var(env, 'MASTER_PORT', 1, '29500'), []
-    if not addr and lws == kw['world_size']: addr, why = '127.0.0.1', [f"all {lws} ranks on this node: 127.0.0.1"]
-    if port is None:
-        port, src = _job_port(env)
-        if port: why.append(f"port from {src}")
-    kw.update(master_addr=addr, master_port=port, master_from=', '.join(why))
-
-# %% ../nbs/00a_device.ipynb #55b4b9bf
-def parse_launch_env(env:Mapping|None=None) -> LaunchEnv:
-    "Read the launcher's variables from `env` (default `os.environ`) into a checked `LaunchEnv`"
-    env = os.environ if env is None else env
-    launcher = _which_launcher(env)
-    if launcher is None: return LaunchEnv()
-    names = [n if not isinstance(n, tuple) else next((a for a in n if a in env), n[0])
-             for n in _LAUNCHERS.get(launcher, _LAUNCHERS['torchrun'])]
-    rank, ws, lr, lws, nr = [None if n is None else _int_var(env, n, 1 if i in (1, 3) else 0)
-                             for i, n in enumerate(names)]
-    if ws is None:
-        have = ', '.join(f"{n}={env[n]!r}" for n in names if n and n in env)
-        raise LaunchEnvError(f"{have} set but {names[1]} is not: a launcher sets both; set {names[1]} to the number "
-                             f"of processes (e.g. {names[1]}=2) or unset the others")
-    rank = rank or 0
-    if rank >= ws:
-        raise LaunchEnvError(f"{names[0]}={rank} must be less than {names[1]}={ws}: ranks are numbered 0..{ws-1}")
-    kw = dict(launcher=launcher, rank=rank, world_size=ws, local_rank=lr or 0)
-    if launcher == 'slurm': _slurm_extras(env, kw)
-    else:
-        kw['local_world_size'] = ws if lws is None else lws  # no local size given: assume one node
-        kw['nnodes'] = max(1, -(-ws // kw['local_world_size']))
-        if launcher in _MPI: _mpi_extras(env, kw, lws)
-        else: kw.update(master_addr=env.get('MASTER_ADDR'), master_port=_int_var(env, 'MASTER_PORT', 1, '29500'))
-    if kw['local_rank'] >= kw['local_world_size']:
-        raise LaunchEnvError(f"{names[2]}={kw['local_rank']} must be less than the local world size "
-                             f"{kw['local_world_size']}")
-    kw['node_rank'] = rank // kw['local_world_size'] if nr is None else nr  # mpirun fills nodes in rank order
-    return LaunchEnv(**kw)
-
-# %% ../nbs/00a_device.ipynb #1db083e7
-def capability_features(major:int, minor:int=0) -> dict:
-    "Which training number formats a CUDA device of compute capability `major.minor` supports in hardware"
-    cc = (major, minor)
-    return dict(bf16=cc >= (8, 0), tf32=cc >= (8, 0), fp8=cc >= (8, 9), fp16=cc >= (5, 3))
-
-# %% ../nbs/00a_device.ipynb #e9f11ae6
-# Dense (no sparsity) peak TFLOPS per dtype, from each vendor's datasheet; checked 2026-11.
-PEAK_TFLOPS = [  # (name regex, label, {dtype: TFLOPS}, source)
-    (r'H100.*(HBM3|SXM)', 'H100 SXM', dict(fp64=67.0, fp32=67.0, tf32=494.7, bf16=989.4, fp16=989.4, fp8=1978.9), 'NVIDIA H100 datasheet (SXM), sparsity figures halved'),
-    (r'H100.*PCIe', 'H100 PCIe', dict(fp64=51.0, fp32=51.0, tf32=378.0, bf16=756.0, fp16=756.0, fp8=1513.0), 'NVIDIA H100 datasheet (PCIe), sparsity figures halved'),
-    (r'H200(?!.*NVL)', 'H200 SXM', dict(fp64=67.0, fp32=67.0, tf32=494.7, bf16=989.4, fp16=989.4, fp8=1978.9), 'NVIDIA H200 datasheet (SXM), sparsity figures halved'),
-    (r'A100', 'A100', dict(fp64=19.5, fp32=19.5, tf32=156.0, bf16=312.0, fp16=312.0), 'NVIDIA A100 datasheet, sparsity figures halved'),
-    (r'L40S', 'L40S', dict(fp32=91.6, tf32=183.0, bf16=362.1, fp16=362.1, fp8=733.0), 'NVIDIA L40S datasheet, sparsity figures halved'),
-    (r'\bL4\b', 'L4', dict(fp32=30.3, tf32=60.0, bf16=121.0, fp16=121.0, fp8=242.5), 'NVIDIA L4 datasheet, sparsity figures halved'),
-    (r'\bA10\b', 'A10', dict(fp32=31.2, tf32=62.5, bf16=125.0, fp16=125.0), 'NVIDIA A10 datasheet, sparsity figures halved'),
-    (r'V100.*SXM', 'V100 SXM2', dict(fp64=7.8, fp32=15.7, fp16=125.0), 'NVIDIA V100 datasheet (SXM2)'),
-    (r'V100.*PCIE', 'V100 PCIe', dict(fp64=7.0, fp32=14.0, fp16=112.0), 'NVIDIA V100 datasheet (PCIe)'),
-    (r'\bT4\b', 'T4', dict(fp32=8.1, fp16=65.0), 'NVIDIA T4 datasheet'),
-    (r'MI300X', 'MI300X', dict(fp64=163.4, fp32=163.4, tf32=653.7, bf16=1307.4, fp16=1307.4, fp8=2614.9), 'AMD Instinct MI300X datasheet, dense'),
-]
-
-def peak_tflops(name:str) -> tuple[dict, str|None]:
-    "Spec peak dense TFLOPS per dtype for the device called `name`, and the source; `({}, None)` when unknown"
-    for pat, label, peaks, src in PEAK_TFLOPS:
-        if re.search(pat, name, re.I): return dict(peaks), f"{label}: {src}"
-    return {}, None
+__all__ = ['DeviceInfo', 'usable_cores', 'DeviceReport', 'detect']
 
 # %% ../nbs/00a_device.ipynb #e606f707
 @dataclass
@@ -434,7 +241,8 @@ def _device_rows(r):
         peak = ', '.join(f"{k} {v:g}" for k, v in d.peak_tflops.items()) if d.peak_tflops else 'unknown'
         feats = ' '.join(k for k in ('bf16', 'tf32', 'fp8') if getattr(d, k)) or '-'
         extra = f"{d.cores} cores" if d.type == 'cpu' else f"cc {d.capability}, {d.multiprocessors} SMs"
-        rows.append((d.key, d.name, f"{fmt_bytes(d.free_memory, binary=True)} free of {fmt_bytes(d.total_memory, binary=True)}", extra, feats, peak))
+        mem = f"{fmt_bytes(d.free_memory, binary=True)} free of {fmt_bytes(d.total_memory, binary=True)}"
+        rows.append((d.key, d.name, mem, extra, feats, peak))
     return rows
 
 def _summary_rows(r):
@@ -442,12 +250,15 @@ def _summary_rows(r):
     build = ', '.join(f"{k} {v}" for k, v in t.items() if v)
     launch = l.summary()
     return [('host', f"{h['hostname']}: {h['os']}, Python {h['python']}"),
-            ('cpu', f"{h['cpu']}: {h['physical_cores']} physical / {h['logical_cores']} logical cores, {h['usable_cores']} usable"),
-            ('memory', f"RAM {fmt_bytes(h['ram'], binary=True)}, /dev/shm {fmt_bytes(h['shm'], binary=True)}"), ('torch', build),
+            ('cpu', f"{h['cpu']}: {h['physical_cores']} physical / {h['logical_cores']} logical cores, "
+                    f"{h['usable_cores']} usable"),
+            ('memory', f"RAM {fmt_bytes(h['ram'], binary=True)}, /dev/shm {fmt_bytes(h['shm'], binary=True)}"),
+            ('torch', build),
             ('backends', ' '.join(k for k, v in r.backends.items() if v) or 'none'), ('launch', launch),
             ('process', f"notebook={r.in_notebook}, cuda initialised={r.cuda_initialized}, threads={r.threads}"),
             ('interconnect', 'single GPU or none' if r.p2p is None else f"p2p {r.p2p}; nvlink {r.nvlink}"),
-            ('recommended', f"device {rec['device']}, backend {rec['backend']}, dtype {rec['dtype']} ({rec['dtype_reason']}); "
+            ('recommended', f"device {rec['device']}, backend {rec['backend']}, "
+                            f"dtype {rec['dtype']} ({rec['dtype_reason']}); "
                             f"fork {'safe' if rec['fork_safe'] else 'NOT safe'} ({rec['fork_reason']})")]
 
 _DEV_COLS = ('device', 'name', 'memory', 'compute', 'fast formats', 'peak dense TFLOPS')
@@ -482,7 +293,8 @@ class DeviceReport:
         dev = f"{len(acc)}x {acc[0].name}" if acc else f"{self.host['usable_cores']}-core {self.host['cpu']}"
         return f"{dev} | torch {self.torch['version']} | {self.host['hostname']}"
 
-    def _repr_markdown_(self): return md_table(('', ''), _summary_rows(self)) + '\n\n' + md_table(_DEV_COLS, _device_rows(self))
+    def _repr_markdown_(self):
+        return md_table(('', ''), _summary_rows(self)) + '\n\n' + md_table(_DEV_COLS, _device_rows(self))
 
     def __str__(self):
         s = '\n'.join(f"{k:>13}: {v}" for k, v in _summary_rows(self))

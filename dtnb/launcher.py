@@ -6,16 +6,18 @@ Docs: https://dtnb-dev.github.io/dtnb/launcher.html.md"""
 
 # %% ../nbs/01_launcher.ipynb #e79fd174
 from __future__ import annotations
-import os, sys, io, gc, time, signal, socket, tempfile, threading, traceback, atexit, re, shutil, contextlib, datetime
+import os, sys, io, gc, time, signal, socket, tempfile, threading, traceback, atexit, shutil, contextlib, datetime
 import multiprocessing as mp
 from multiprocessing.connection import wait as _wait
-from .device import parse_launch_env, usable_cores, LaunchEnvError
+from .device import usable_cores
+from .launchenv import parse_launch_env, LaunchEnvError
+from .failures import LaunchError, _report
 from .utils import accelerators
 
 # %% auto #0
 __all__ = ['BACKENDS', 'default_backend', 'check_backend', 'current_device', 'RendezvousError', 'init_distributed', 'rank',
            'world_size', 'local_rank', 'is_main', 'barrier', 'rank0_first', 'shutdown', 'free_port', 'check_port',
-           'LaunchError', 'launch', 'torchrun_command']
+           'launch']
 
 # %% ../nbs/01_launcher.ipynb #99c2e697
 BACKENDS = {'gloo': 'CPU tensors (and GPUs, slowly)', 'nccl': 'NVIDIA GPUs', 'xccl': 'Intel GPUs',
@@ -31,10 +33,12 @@ def check_backend(backend:str|None) -> str:
     import torch.distributed as dist
     b = default_backend() if backend is None else backend
     if b not in BACKENDS:
-        raise ValueError(f"Unknown backend {b!r}: choose one of " + ', '.join(f"{k} ({v})" for k, v in BACKENDS.items()))
+        known = ', '.join(f"{k} ({v})" for k, v in BACKENDS.items())
+        raise ValueError(f"Unknown backend {b!r}: choose one of " + known)
     if not getattr(dist, f'is_{b}_available', lambda: False)():
         have = [k for k in BACKENDS if getattr(dist, f'is_{k}_available', lambda: False)()]
-        raise ValueError(f"Backend {b!r} is not available in this torch build; available here: {', '.join(have) or 'none'}")
+        raise ValueError(f"Backend {b!r} is not available in this torch build; "
+                         f"available here: {', '.join(have) or 'none'}")
     return b
 
 # %% ../nbs/01_launcher.ipynb #20c1a28a
@@ -166,17 +170,16 @@ def free_port(host:str='127.0.0.1') -> int:
 
 def check_port(port:int, host:str='127.0.0.1') -> int:
     "`port` if it can be bound on `host`, else a clear error"
-    if not isinstance(port, int) or not 0 < port < 65536: raise ValueError(f"port={port!r} is not a TCP port: use 1..65535, or None for a free one")
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"port={port!r} is not a TCP port: use 1..65535, or None for a free one")
     with socket.socket() as s:
         try: s.bind((host, port))
-        except OSError: raise ValueError(f"port {port} on {host} is in use: pass another port=, or port=None to pick a free one") from None
+        except OSError:
+            raise ValueError(f"port {port} on {host} is in use: pass another port=, "
+                             "or port=None to pick a free one") from None
     return port
 
 # %% ../nbs/01_launcher.ipynb #77678500
-class LaunchError(RuntimeError):
-    "One or more ranks failed, hung or were interrupted"
-    def __init__(self, msg, failed=(), hung=()): super().__init__(msg); self.failed, self.hung = list(failed), list(hung)
-
 def _set_parent_death_signal():
     "Ask Linux to kill this rank if the launching process dies (no orphans after a killed kernel)"
     with contextlib.suppress(Exception):
@@ -216,7 +219,9 @@ def _rank_main(rank, nprocs, payload, tmp, env, threads, out_conn, backend, pg_t
             raise RuntimeError(f"rank {rank} joined a group of {dist.get_world_size()} ranks, expected {nprocs}")
         out = fn(*args, **kwargs)
         try: _dump(out, os.path.join(tmp, f'result_{rank}.pkl'))
-        except Exception as e: raise TypeError(f"rank {rank} returned a {type(out).__name__} that cannot be pickled ({e}); return tensors, numbers or dicts of them") from e
+        except Exception as e:
+            raise TypeError(f"rank {rank} returned a {type(out).__name__} that cannot be pickled ({e}); "
+                            "return tensors, numbers or dicts of them") from e
         del out
         barrier()  # nobody leaves while a peer may still be exchanging data with it
         code = 0   # os._exit below skips interpreter teardown, where gloo's abort-at-exit happens (no gc needed)
@@ -225,26 +230,6 @@ def _rank_main(rank, nprocs, payload, tmp, env, threads, out_conn, backend, pg_t
     finally:
         with contextlib.suppress(Exception): sys.stdout.flush(); sys.stderr.flush()
         os._exit(code)
-
-# %% ../nbs/01_launcher.ipynb #9437aa16
-_COLLECTIVE = re.compile(r'line \d+ in (all_reduce|all_gather\w*|reduce_scatter\w*|broadcast\w*|barrier|monitored_barrier|'
-                         r'all_to_all\w*|send|recv|isend|irecv|gather\w*|scatter\w*|reduce|wait)\b')
-
-_PEER_GONE = re.compile(r'Connection closed by peer|Connection reset|ECONNRESET|Broken pipe|EPIPE|DistNetworkError|recvBytes|NCCL communicator was aborted')
-
-def _user_frames(log:str) -> str:
-    "The frames of the last stack dump in `log`, down to the rank's entry point"
-    dump = log.rsplit('(most recent call first):', 1)[-1].splitlines()
-    keep = []
-    for line in dump:
-        if 'in _rank_main' in line: break
-        if line.strip().startswith('File'): keep.append(line)
-    return '\n'.join(keep)
-
-def _waiting_in(stack:str) -> str|None:
-    "The torch.distributed call a dumped stack is blocked in, if any"
-    hits = [m.group(1) for line in stack.splitlines() if 'distributed' in line for m in [_COLLECTIVE.search(line)] if m]
-    return hits[0] if hits else None
 
 # %% ../nbs/01_launcher.ipynb #adde2ddf
 class _Output:
@@ -280,17 +265,19 @@ def _start_method(start_method):
     import torch
     if start_method is None: return 'spawn' if torch.cuda.is_initialized() else 'fork'
     if start_method not in mp.get_all_start_methods():
-        raise ValueError(f"start_method={start_method!r} is not available here: choose one of {mp.get_all_start_methods()}")
+        raise ValueError(f"start_method={start_method!r} is not available here: "
+                         f"choose one of {mp.get_all_start_methods()}")
     if start_method == 'fork' and torch.cuda.is_initialized():
         raise RuntimeError("CUDA is already initialised in this process, so forked ranks cannot use it. Either pass "
-                           "start_method='spawn' (your function travels by value), or restart the kernel and call launch() "
-                           "before anything touches CUDA (torch.cuda.* calls, .cuda(), .to('cuda'))")
+                           "start_method='spawn' (your function travels by value), or restart the kernel and call "
+                           "launch() before anything touches CUDA (torch.cuda.* calls, .cuda(), .to('cuda'))")
     return start_method
 
 # %% ../nbs/01_launcher.ipynb #7b714079
 def _check_args(fn, nprocs):
     import torch.distributed as dist
-    if not callable(fn): raise TypeError(f"launch() needs a function to run on each rank; got {fn!r} ({type(fn).__name__})")
+    if not callable(fn):
+        raise TypeError(f"launch() needs a function to run on each rank; got {fn!r} ({type(fn).__name__})")
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError("This process already belongs to a process group, which forked ranks would inherit: "
                            "call dtnb.shutdown() (or torch.distributed.destroy_process_group()) before launch()")
@@ -301,7 +288,8 @@ def _placement(nprocs, backend, device):
     "Backend and device of `nprocs` local ranks: one accelerator each, or CPU ranks on gloo when asked"
     acc, n = accelerators()
     if device not in (None, 'cpu'):
-        raise ValueError(f"device={device!r}: pass device='cpu' for CPU ranks, or None for one {acc or 'device'} per rank")
+        raise ValueError(f"device={device!r}: pass device='cpu' for CPU ranks, "
+                         f"or None for one {acc or 'device'} per rank")
     if device == 'cpu' or (backend == 'gloo' and acc not in (None, 'mps') and nprocs > n):
         if backend not in (None, 'gloo'): raise ValueError(f"device='cpu' needs backend='gloo', not {backend!r}")
         return 'gloo', 'cpu'
@@ -313,31 +301,6 @@ def _threads_per_rank(nprocs, threads, method):
     if method == 'fork' and _native_threads() > 0 and n > 1 and threads is None:
         n = 1  # a forked child's first multi-threaded op can deadlock on the parent's OpenMP pool
     return n
-
-# %% ../nbs/01_launcher.ipynb #a3fcbdbb
-def _report(procs, tmp, out, hung, timeout, exited):
-    "Raise a LaunchError that names the failed and hung ranks, with their tracebacks or stacks"
-    failed = {}
-    for r, p in enumerate(procs):
-        f = os.path.join(tmp, f'error_{r}.txt')
-        if os.path.exists(f): failed[r] = open(f).read()
-        elif exited[r] not in (0, None) and r not in hung:  # died by itself (not stopped by us): a signal, os._exit, OOM
-            failed[r] = f"rank {r} died with exit code {p.exitcode}" + (f" (signal {-p.exitcode})" if p.exitcode < 0 else '') + \
-                        ''.join('\n  ' + l for l in out.log.get(r, '').splitlines()[-15:])
-    if failed:
-        when = {r: os.path.getmtime(os.path.join(tmp, f'error_{r}.txt')) if os.path.exists(os.path.join(tmp, f'error_{r}.txt')) else float('inf') for r in failed}
-        after = {r for r, tb in failed.items() if _PEER_GONE.search(tb)}  # failed because another rank went away
-        cause = sorted(set(failed) - after, key=when.get) or sorted(failed, key=when.get)[:1]
-        also = sorted(set(failed) - set(cause))
-        msg = (f"rank{'s' if len(cause) > 1 else ''} {', '.join(map(str, cause))} failed"
-               + (f"; rank{'s' if len(also) > 1 else ''} {', '.join(map(str, also))} then failed too (a peer left the collective)" if also else '')
-               + f"; all ranks were stopped.\n--- traceback of rank {cause[0]} ---\n{failed[cause[0]].rstrip()}")
-        return LaunchError(msg, failed=cause, hung=hung)
-    where = {r: _waiting_in(_user_frames(out.log.get(r, ''))) for r in hung}
-    lines = [f"  rank {r}: " + (f"waiting in {w}" if w else "not in a collective") for r, w in where.items()]
-    stacks = '\n'.join(f"--- stack of rank {r} (most recent call first) ---\n" + _user_frames(out.log.get(r, '')) for r in hung)
-    return LaunchError(f"ranks {', '.join(map(str, hung))} did not finish within timeout={timeout}s; all ranks were stopped.\n"
-                       + '\n'.join(lines) + '\n' + stacks, hung=hung)
 
 # %% ../nbs/01_launcher.ipynb #bd4e4115
 def _start(fn, args, kwargs, nprocs, method, threads, backend, port, env, tmp, pg_timeout):
@@ -362,7 +325,7 @@ def _start(fn, args, kwargs, nprocs, method, threads, backend, port, env, tmp, p
 
 # %% ../nbs/01_launcher.ipynb #821ededf
 def _supervise(procs, fds, out, timeout):
-    "Wait for the ranks, forwarding output; returns the ranks still running at the timeout (or raises KeyboardInterrupt)"
+    "Wait for the ranks, forwarding output; return the ranks still running at the timeout (or raise KeyboardInterrupt)"
     deadline = None if timeout is None else time.monotonic() + timeout
     sentinels = {p.sentinel: r for r, p in enumerate(procs)}
     open_fds = dict(fds)
@@ -373,7 +336,8 @@ def _supervise(procs, fds, out, timeout):
             return []
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0: return [r for r, p in enumerate(procs) if p.exitcode is None]
-        ready = _wait(list(open_fds) + [s for s, r in sentinels.items() if procs[r].exitcode is None], timeout=min(left or 0.5, 0.5))
+        running = [s for s, r in sentinels.items() if procs[r].exitcode is None]
+        ready = _wait(list(open_fds) + running, timeout=min(left or 0.5, 0.5))
         for fd in ready:
             if fd in open_fds: _drain({fd: open_fds[fd]}, out, 0, open_fds)
         for p in procs: p.join(0)
@@ -447,18 +411,3 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
 def _load(path):
     import pickle
     with open(path, 'rb') as f: return pickle.load(f)
-
-# %% ../nbs/01_launcher.ipynb #fba13eb4
-_RDZV_OPTS = ('--standalone', '--rdzv-endpoint', '--rdzv_endpoint', '--master-addr', '--master_addr', '--rdzv-backend', '--rdzv_backend')
-
-def torchrun_command(nprocs:int, script:str, script_args=(), torchrun_args=()) -> tuple[list, dict]:
-    "The torchrun command line and extra environment for `dtnb launch -n nprocs script ...`"
-    _check_args(print, nprocs)
-    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc-per-node={nprocs}', *torchrun_args]
-    given = {a.split('=')[0].replace('_', '-') for a in torchrun_args}
-    if not given & {o.replace('_', '-') for o in _RDZV_OPTS}:  # rendezvous on loopback
-        cmd += ['--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{free_port()}', '--local-addr=127.0.0.1']
-    if '--nnodes' not in given: cmd.append('--nnodes=1')
-    env = dict(TORCH_DISABLE_SHARE_RDZV_TCP_STORE='1',  # restarted groups get a fresh store port (gloo restarts)
-               OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', str(max(1, usable_cores() // nprocs))))
-    return cmd + [script, *script_args], env

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from .utils import md_table, text_table, fmt_bytes, progress_bar, default_device
-from .device import usable_cores, parse_launch_env
+from .device import usable_cores
+from .launchenv import parse_launch_env
 from .data import (SyntheticDataset, guard, batch_stats, empty_loader_error, sample_error, stop_workers,
                        fmt_settings, plural, HAS_IN_ORDER)
 from .steps import StepProfile, input_bound

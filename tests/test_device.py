@@ -1,7 +1,9 @@
 "Device detection on this machine, and launcher parsing from explicit environments"
 import json, time
 import pytest
-from dtnb.device import detect, parse_launch_env, LaunchEnvError, capability_features, peak_tflops, expand_nodelist
+from dtnb.device import detect
+from dtnb.launchenv import parse_launch_env, LaunchEnvError, expand_nodelist
+from dtnb.specs import capability_features, peak_tflops
 
 
 def test_real_detection_on_this_machine():

@@ -3,7 +3,7 @@ one process, a missing address named, never a hang. Every subprocess has a timeo
 import json, os, random, shutil, socket, subprocess, sys, time
 from pathlib import Path
 import pytest
-from dtnb.device import parse_launch_env
+from dtnb.launchenv import parse_launch_env
 from dtnb.launcher import init_distributed, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
