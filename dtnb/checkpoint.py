@@ -79,8 +79,8 @@ def _module(model) -> nn.Module:
     mods = getattr(model, 'modules', None)
     if isinstance(mods, (list, tuple)) and mods and all(isinstance(m, nn.Module) for m in mods):
         return mods[0] if len(mods) == 1 else _Stages(mods)
-    raise TypeError(f"checkpoints need the model as an nn.Module (plain, DDP or FSDP) or a dtnb pipeline; got "
-                    f"{type(model).__name__}")
+    raise TypeError("checkpoints need the model as an nn.Module (plain, DDP or FSDP) or a dtnb pipeline; "
+                    f"got {type(model).__name__}")
 
 # %% ../nbs/04a_checkpoint.ipynb #c011
 def _unprefix(kind, key):
@@ -158,10 +158,8 @@ def _check_extra(x, where='extra'):
         for i, v in enumerate(x): _check_extra(v, f"{where}[{i}]")
     elif type(x) not in _PLAIN:
         raise TypeError(f"{where} is a {type(x).__module__}.{type(x).__name__}, which a checkpoint cannot hold: "
-                        f"everything is "
-                        "loaded back with weights_only=True, so use tensors, numbers, strings, None and "
-                        "lists/tuples/dicts of "
-                        "them (for an object with state, pass obj.state_dict())")
+                        "everything is loaded back with weights_only=True, so use tensors, numbers, strings, None "
+                        "and lists/tuples/dicts of them (for an object with state, pass obj.state_dict())")
 
 # %% ../nbs/04a_checkpoint.ipynb #c029
 def _hash_files(tmp:Path) -> dict:
@@ -245,15 +243,14 @@ def save_checkpoint(path,                        # directory to create, e.g. che
                     async_save:bool=False,       # write in the background; returns an `AsyncSave` to `wait()` on
                     **extra,                     # anything else to keep: tensors, numbers, strings, lists/dicts of them
                    ) -> Path|AsyncSave:
-    "Save model, optimizer, step, RNG states and data position from every rank; `path` appears only when complete. A "
-    "collective"
+    "Save model, optimizer, step, RNG and data position on every rank (a collective); `path` appears only complete"
     import torch.distributed.checkpoint as dcp
     path = Path(path)
     _wait_pending()
     _check_extra(extra)
     if loader is not None and not callable(getattr(loader, 'state_dict', None)):
-        raise TypeError(f"loader={type(loader).__name__} cannot report its position: wrap it with resumable(loader) "
-                        f"before iterating")
+        raise TypeError(f"loader={type(loader).__name__} cannot report its position: wrap it with "
+                        "resumable(loader) before iterating")
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint, or None for all")
     r, ws = rank_world()
@@ -314,8 +311,8 @@ def read_marker(p:Path) -> dict:
     if '.tmp-' in p.name: raise _incomplete(p, "an interrupted save (temporary name, never committed)")
     f = p / MARKER
     if not f.exists():
-        raise _incomplete(p, f"no {MARKER} marker: the save that wrote it did not finish (or it is not a dtnb "
-                             f"checkpoint)")
+        raise _incomplete(p, f"no {MARKER} marker: the save that wrote it did not finish "
+                             "(or it is not a dtnb checkpoint)")
     try: meta = json.loads(f.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise _incomplete(p, f"its {MARKER} marker is damaged (not valid JSON: {e})") from None
@@ -373,8 +370,7 @@ def latest_checkpoint(root, warn:bool=True) -> Path|None:
     return cl.latest
 
 def prune_checkpoints(root, keep:int, protect=None) -> list:
-    "Delete all but the newest `keep` complete checkpoints in `root` (never `protect`), and interrupted saves older "
-    "than the newest"
+    "Delete all but the newest `keep` complete checkpoints in `root` (never `protect`), and older interrupted saves"
     cl = list_checkpoints(root)
     doomed = [c['path'] for c in cl.complete[:-keep] if protect is None or Path(c['path']) != Path(protect)]
     newest = cl.complete[-1]['step'] if cl.complete else None

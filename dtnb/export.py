@@ -63,8 +63,8 @@ def _write_weights(sd:dict, path:Path, dtype=None):
 
 def _check_suffix(path:Path):
     if path.suffix not in ('.safetensors', '.pt', '.pth'):
-        raise ValueError(f"{path.name}: export to a .safetensors file (no pickle, any framework) or a .pt file "
-                         f"(torch.save)")
+        raise ValueError(f"{path.name}: export to a .safetensors file (no pickle, any framework) "
+                         "or a .pt file (torch.save)")
     if path.suffix == '.safetensors': _need_safetensors()
 
 # %% ../nbs/04c_export.ipynb #643ed405

@@ -35,8 +35,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) in _META_CLASSES or dtype:
             return super().find_class(module, name)
         raise CheckpointError(f"the checkpoint's .metadata asks to load {module}.{name}, which is not part of "
-                              f"checkpoint metadata: "
-                              "refused (nothing was run). Is it from a source you trust?")
+                              "checkpoint metadata: refused (nothing was run). Is it from a source you trust?")
 
 def check_metadata(path:Path):
     "Unpickle the DCP metadata with the allow-list first, so a refusal is reported as itself (DCP would wrap it)"
@@ -45,8 +44,7 @@ def check_metadata(path:Path):
 # %% ../nbs/04b_load.ipynb #583f015b
 @functools.cache
 def safe_dcp():
-    "DCP's file reader and load planners, made safe: metadata through `_MetadataUnpickler`, values with "
-    "weights_only=True"
+    "DCP's reader and load planners, made safe: metadata through `_MetadataUnpickler`, values weights_only=True"
     from torch.distributed.checkpoint import FileSystemReader, DefaultLoadPlanner
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -158,10 +156,10 @@ class Checkpoint:
 
     def to_dict(self):
         return dict(path=self.path, step=self.step, extra=sorted(self.extra), saved_ranks=self.saved_ranks,
-                                   ranks=self.ranks, rng_restored=self.rng_restored, data=self.data)
+                    ranks=self.ranks, rng_restored=self.rng_restored, data=self.data)
     def _rows(self):
-        return [('checkpoint', self.path), ('step', self.step), ('ranks', f"saved on {self.saved_ranks}, loaded on "
-                f"{self.ranks}"),
+        return [('checkpoint', self.path), ('step', self.step),
+                ('ranks', f"saved on {self.saved_ranks}, loaded on {self.ranks}"),
                 ('RNG states', 'restored' if self.rng_restored else 'not restored (different number of ranks)'),
                 ('data position',
                  f"epoch {self.data['epoch']}, {self.data['offset']} batches served" if self.data else '-'),
@@ -177,8 +175,7 @@ def load_checkpoint(path,                     # a checkpoint directory, or a dir
                     rng:bool=True,            # restore each rank's RNG states (when saved on as many ranks)
                     verify:bool=True,         # check every file's size and checksum first
                    ) -> Checkpoint:
-    "Restore a `save_checkpoint` checkpoint into `model`, `optimizer` and `loader`, on any number of ranks; nothing "
-    "is unpickled unsafely. A collective"
+    "Restore a `save_checkpoint` checkpoint into `model`, `optimizer`, `loader` on any number of ranks (a collective)"
     import torch.distributed.checkpoint as dcp
     _wait_pending()
     path = resolve(path)

@@ -133,8 +133,8 @@ class ResumableLoader:
         g = sd.get('global_batch_size')
         if g and self.global_batch_size and g != self.global_batch_size:
             raise ValueError(f"the checkpoint's data position counts batches of {g} samples, this loader's global "
-                             f"batch is "
-                             f"{self.global_batch_size}: resume with global_batch_size={g} to see the same samples")
+                             f"batch is {self.global_batch_size}: resume with global_batch_size={g} to see the same "
+                             "samples")
         self.epoch, self.offset, self._begun, self._start_rng = sd['epoch'], sd['offset'], sd['begun'], sd['start_rng']
         self._resume = self._begun
     def __repr__(self):

@@ -6,12 +6,12 @@ Docs: https://dtnb-dev.github.io/dtnb/train.html.md"""
 
 # %% ../nbs/04d_train.ipynb #c002
 from __future__ import annotations
-import time, math, contextlib
+import time, contextlib
 from dataclasses import dataclass, field, asdict
 import torch
 from torch import nn
 from .launcher import world_size, is_main, current_device
-from .utils import md_table, text_table, to_device
+from .utils import md_table, text_table, to_device, tree_map_tensors, progress_bar, check_precision, autocast
 from .fsdp import check_optimizer
 from .resume import resumable
 from .checkpoint import latest_checkpoint, save_checkpoint, checkpoint_path
@@ -19,26 +19,6 @@ from .load import load_checkpoint
 
 # %% auto #0
 __all__ = ['FitResult', 'fit']
-
-# %% ../nbs/04d_train.ipynb #c005
-def _autocast(device, precision):
-    if precision in (None, 'fp32'): return contextlib.nullcontext()
-    dt = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(precision)
-    if dt is None: raise ValueError(f"precision={precision!r}: use None/'fp32', 'bf16', or 'fp16' (with loss scaling)")
-    return torch.autocast(device.type, dtype=dt)
-
-def _no_sync(model, last):
-    "Context that skips gradient sync on all but the last micro-batch (DDP and FSDP2)"
-    if last: return contextlib.nullcontext()
-    if hasattr(model, 'no_sync'): return model.no_sync()
-    if hasattr(model, 'set_requires_gradient_sync'):
-        @contextlib.contextmanager
-        def fsdp_no_sync():
-            model.set_requires_gradient_sync(False)
-            try: yield
-            finally: model.set_requires_gradient_sync(True)
-        return fsdp_no_sync()
-    return contextlib.nullcontext()
 
 # %% ../nbs/04d_train.ipynb #c007
 @dataclass
@@ -60,35 +40,54 @@ class FitResult:
 
     def _rows(self):
         first, last = (f"{self.losses[0]:.4f}", f"{self.losses[-1]:.4f}") if self.losses else ('-', '-')
-        return [(self.strategy or 'model', self.steps, first, last, f"{self.samples_per_s:,.0f}", f"{self.seconds:.2f}",
-                 f"{100 * self.data_wait_s / self.seconds:.0f}%" if self.seconds else '-')]
+        wait = f"{100 * self.data_wait_s / self.seconds:.0f}%" if self.seconds else '-'
+        return [(self.strategy or 'model', self.steps, first, last, f"{self.samples_per_s:,.0f}",
+                 f"{self.seconds:.2f}", wait)]
 
     _cols = ('strategy', 'steps', 'first loss', 'last loss', 'samples/s', 'seconds', 'waiting for data')
     def _repr_markdown_(self): return md_table(self._cols, self._rows())
     def __str__(self): return text_table(self._cols, self._rows())
 
-# %% ../nbs/04d_train.ipynb #c008
-def _strategy_name(model):
-    if hasattr(model, 'no_sync'): return 'ddp'
-    if hasattr(model, 'set_requires_gradient_sync'): return 'fsdp'
-    if callable(getattr(model, 'step', None)) and not isinstance(model, nn.Module): return 'pipeline'
-    return 'single'
+# %% ../nbs/04d_train.ipynb #e92739b7
+def _precision(model, precision) -> str:
+    "`precision` as a name of `PRECISIONS` that `fit` can train `model` in, or an error that says what to do"
+    p = check_precision(precision)
+    if p == 'zero-mixed':
+        raise ValueError("fit does not implement ZeRO's fp32 master weights (precision='zero-mixed'): use "
+                         "'bf16-mixed', or FSDP's MixedPrecisionPolicy through wrap(model, 'fsdp', param_dtype='bf16')")
+    params = getattr(model, 'parameters', None)
+    if p == 'bf16-true' and (dts := {q.dtype for q in (params() if callable(params) else []) if q.is_floating_point()}
+                             - {torch.bfloat16}):
+        raise ValueError(f"precision='bf16-true' trains the model's own bf16 parameters, but it has "
+                         f"{', '.join(sorted(map(str, dts)))} ones: call model.to(torch.bfloat16) before building "
+                         "the optimizer, or use 'bf16-mixed' (autocast)")
+    return p
 
-def _mean_over_ranks(losses):
-    "Per-step losses averaged over the data-parallel ranks, with one all-reduce for the whole run"
-    import torch.distributed as dist
-    t = torch.stack(losses).detach().float()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = t.to(current_device()) if dist.get_backend() == 'nccl' else t.cpu()
-        dist.all_reduce(t); t /= dist.get_world_size()
-    return t.cpu().tolist()
+def _cast_inputs(batch, precision):
+    "For 'bf16-true': the batch with its floating-point inputs in bf16 (the targets unchanged)"
+    if precision != 'bf16-true': return batch
+    x, *rest = batch
+    return (tree_map_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, x), *rest)
 
-# %% ../nbs/04d_train.ipynb #c009
+# %% ../nbs/04d_train.ipynb #d80c766d
+def _no_sync(model, last):
+    "Context that skips gradient sync on all but the last micro-batch (DDP and FSDP2)"
+    if last: return contextlib.nullcontext()
+    if hasattr(model, 'no_sync'): return model.no_sync()
+    if hasattr(model, 'set_requires_gradient_sync'):
+        @contextlib.contextmanager
+        def fsdp_no_sync():
+            model.set_requires_gradient_sync(False)
+            try: yield
+            finally: model.set_requires_gradient_sync(True)
+        return fsdp_no_sync()
+    return contextlib.nullcontext()
+
 def _micro_step(model, batch, loss_fn, device, precision, scaler, accumulate, last):
     "Forward and backward of one micro-batch; returns the (unscaled) loss"
     x, y = batch
     with _no_sync(model, last):
-        with _autocast(device, precision): loss = loss_fn(model(x), y)
+        with autocast(device, precision): loss = loss_fn(model(x), y)
         l = loss / accumulate if accumulate > 1 else loss  # no extra op (and backward node) for the common case
         (scaler.scale(l) if scaler is not None else l).backward()
     return loss.detach()
@@ -118,6 +117,27 @@ def _batches(loader, epochs, max_steps, accumulate, stats):
                 stats['steps'] += 1
                 if max_steps is not None and stats['steps'] >= max_steps: return
 
+# %% ../nbs/04d_train.ipynb #c008
+def _strategy_name(model):
+    if hasattr(model, 'no_sync'): return 'ddp'
+    if hasattr(model, 'set_requires_gradient_sync'): return 'fsdp'
+    if callable(getattr(model, 'step', None)) and not isinstance(model, nn.Module): return 'pipeline'
+    return 'single'
+
+def _mean_over_ranks(losses):
+    "Per-step losses averaged over the data-parallel ranks, with one all-reduce for the whole run"
+    import torch.distributed as dist
+    t = torch.stack(losses).detach().float()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.to(current_device()) if dist.get_backend() == 'nccl' else t.cpu()
+        dist.all_reduce(t); t /= dist.get_world_size()
+    return t.cpu().tolist()
+
+def _step_losses(losses, strategy) -> list:
+    "This run's per-step losses as floats, averaged over the data-parallel ranks"
+    if not losses: return []
+    return _mean_over_ranks(losses) if strategy != 'pipeline' else [float(l) for l in losses]
+
 # %% ../nbs/04d_train.ipynb #c012
 def _resume(checkpoint_dir, model, optimizer, loader, scheduler, scaler) -> tuple[int, list, str]:
     "Load the newest complete checkpoint in `checkpoint_dir`, if any; returns (its step, the losses so far, its path)"
@@ -134,13 +154,8 @@ def _checkpoint(checkpoint_dir, step, model, optimizer, loader, scheduler, scale
     state = dict(losses=torch.tensor(losses, dtype=torch.float64))
     if callable(getattr(scheduler, 'state_dict', None)): state['scheduler'] = scheduler.state_dict()
     if scaler is not None: state['scaler'] = scaler.state_dict()
-    return save_checkpoint(checkpoint_path(checkpoint_dir, step), model, optimizer, step=step, loader=loader, keep=keep,
-                           async_save=async_save, fit=state)
-
-def _step_losses(losses, strategy) -> list:
-    "This run's per-step losses as floats, averaged over the data-parallel ranks"
-    if not losses: return []
-    return _mean_over_ranks(losses) if strategy != 'pipeline' else [float(l) for l in losses]
+    return save_checkpoint(checkpoint_path(checkpoint_dir, step), model, optimizer, step=step, loader=loader,
+                           keep=keep, async_save=async_save, fit=state)
 
 # %% ../nbs/04d_train.ipynb #c013
 def _place(model, optimizer, device, strategy):
@@ -151,9 +166,17 @@ def _place(model, optimizer, device, strategy):
     if not params or all(there(p.device) for p in params): return
     if any(len(st) for st in optimizer.state.values()):
         raise ValueError(f"the model is on {params[0].device} but batches go to {device}, and the optimizer already "
-                         f"has "
-                         f"state there: move the model with model.to({str(device)!r}) before building the optimizer")
+                         f"has state there: move the model with model.to({str(device)!r}) before building the "
+                         "optimizer")
     model.to(device)
+
+def _progress(progress, loader, epochs, max_steps, accumulate, start=0):
+    "A bar over the optimizer steps on the main rank, or None"
+    try: total = len(loader) // accumulate * epochs
+    except TypeError: total = None
+    if max_steps is not None: total = min(total or max_steps, max_steps)
+    return progress_bar(total=total, initial=start, enable=progress and is_main(), desc='fit', unit='step',
+                        mininterval=0.5)
 
 # %% ../nbs/04d_train.ipynb #2da09031
 def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a pipeline with `.step(x, y)`
@@ -163,7 +186,7 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
         epochs:int=1,
         max_steps:int|None=None,   # stop after this many optimizer steps
         accumulate:int=1,          # micro-batches per optimizer step
-        precision:str|None=None,   # None/'fp32', 'bf16', or 'fp16' (loss scaling on)
+        precision:str|None=None,   # a name of `PRECISIONS`: 'fp32' (None), 'bf16-mixed', 'fp16-mixed', 'bf16-true'
         clip:float|None=None,      # max gradient norm
         scheduler=None,            # stepped after every optimizer step
         progress:bool=True,        # progress bar on the main rank
@@ -172,16 +195,15 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
         keep:int|None=2,           # complete checkpoints to keep (None: all)
         async_save:bool=False,     # write checkpoints in the background while training goes on
         ) -> FitResult:
-    "Train `model` on `loader`; returns losses (mean over ranks) and throughput. With `checkpoint_dir`, saves and "
-    "resumes"
+    "Train `model` on `loader`; returns losses (mean over ranks) and throughput. With `checkpoint_dir`, resumable"
     if accumulate < 1: raise ValueError(f"accumulate={accumulate} must be >= 1")
     if every is not None and (not isinstance(every, int) or every < 1):
         raise ValueError(f"every={every!r} must be a whole number of steps >= 1")
-    _autocast(torch.device('cpu'), precision)  # checks the name before any work
+    precision = _precision(model, precision)  # checks the name before any work
     device, strategy = current_device(), _strategy_name(model)
     check_optimizer(model, optimizer)  # an optimizer built before sharding would silently train nothing
     _place(model, optimizer, device, strategy)
-    scaler = torch.amp.GradScaler(device.type) if precision == 'fp16' else None
+    scaler = torch.amp.GradScaler(device.type) if precision == 'fp16-mixed' else None
     start, done, resumed = 0, [], ''
     if checkpoint_dir is not None:
         if not (callable(getattr(loader, 'state_dict', None)) and callable(getattr(loader, 'load_state_dict', None))):
@@ -197,7 +219,7 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
                                async_save)
     todo = max_steps is None or start < max_steps
     for group in (_batches(loader, passes, max_steps, accumulate, stats) if todo else []):
-        group = [to_device(b, device, non_blocking=True) for b in group]
+        group = [_cast_inputs(to_device(b, device, non_blocking=True), precision) for b in group]
         if strategy == 'pipeline':  # one step over the whole group: the pipeline splits it into its microbatches
             step_loss = model.step(*(torch.cat(parts) for parts in zip(*group)))
             _opt_step(model, optimizer, None, clip)
@@ -222,15 +244,5 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
     if hasattr(pending, 'wait'): pending.wait()  # the last checkpoint is complete when fit returns
     if pbar is not None: pbar.close()
     secs = time.perf_counter() - t0
-    return FitResult(done + _step_losses(losses, strategy), stats['steps'], samples, secs, stats['wait'],
-                     strategy, start,
-                     resumed)
-
-# %% ../nbs/04d_train.ipynb #c014
-def _progress(progress, loader, epochs, max_steps, accumulate, start=0):
-    if not progress or not is_main(): return None
-    from tqdm.auto import tqdm
-    try: total = len(loader) // accumulate * epochs
-    except TypeError: total = None
-    if max_steps is not None: total = min(total or max_steps, max_steps)
-    return tqdm(total=total, initial=start, desc='fit', unit='step', leave=False, mininterval=0.5)
+    return FitResult(done + _step_losses(losses, strategy), stats['steps'], samples, secs, stats['wait'], strategy,
+                     start, resumed)
