@@ -11,7 +11,7 @@ from dataclasses import dataclass, asdict
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
-from .utils import md_table, text_table, fmt_bytes, progress_bar, default_device
+from .utils import md_table, text_table, fmt_bytes, progress_bar, default_device, accelerators
 from .device import usable_cores
 from .launchenv import parse_launch_env
 from .data import (SyntheticDataset, guard, batch_stats, empty_loader_error, sample_error, stop_workers,
@@ -351,7 +351,7 @@ def tune_loader(dataset,                       # map-style or iterable Dataset
     t_start = time.perf_counter()
     cost = measure_sample_cost(dataset, collate_fn=loader_kwargs.get('collate_fn'))  # fails fast, in this process
     limits = worker_limits(cost, batch_size, max_workers)
-    has_acc = hasattr(torch, 'accelerator') and torch.accelerator.is_available()
+    has_acc = accelerators()[0] is not None  # asked without initialising CUDA (a forked rank could not use it)
     trials, bar = [], progress_bar(desc='tune_loader', enable=progress)
     def run(settings, stage, bs=batch_size):
         if trials and time_budget is not None and time.perf_counter() - t_start > time_budget:
