@@ -35,10 +35,11 @@ def _measure(fn, device, start, number, clock='wall'):
         for i in range(start, start + number): fn(i)
         dt = now() - t0
         return lambda: dt
+    s = torch.accelerator.current_stream(device)  # `device`'s own stream: its index need not be the current one
     a, b = torch.Event(device=device, enable_timing=True), torch.Event(device=device, enable_timing=True)
-    a.record()
+    a.record(s)
     for i in range(start, start + number): fn(i)
-    b.record()
+    b.record(s)
     return lambda: a.elapsed_time(b) / 1e3
 
 def _check_clock(clock, device):

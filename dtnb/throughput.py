@@ -318,7 +318,8 @@ def bench_all(quick:bool=False, out=None, only=None, progress:bool=True, print_f
     runs = _runs(quick, progress, device, n, results)
     for name in only:
         if name in ('collectives', 'scaling') and n < 2:
-            print_fn(f"dtnb bench {name}: skipped, one device and one usable core"); continue
+            print_fn(f"dtnb bench {name}: skipped, it needs 2 ranks (one accelerator or one usable core here)")
+            continue
         results.append(runs[name]()); print_fn(str(results[-1]) + '\n')
         if out is not None: _save(results[-1], out)
     return results

@@ -1,0 +1,82 @@
+"""benchmarks/gpu_bench.py off a GPU: its comparison logic on the CPU, its no-CUDA path, and the `#| cuda` cells of the
+bench notebooks, which nothing runs here, checked to compile and to use only names their notebook defines"""
+import ast, builtins, importlib, importlib.util, json, os, subprocess, sys
+from pathlib import Path
+import pytest, torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / 'benchmarks' / 'gpu_bench.py'
+GPU_NBS = ('06_bench', '06b_throughput')
+
+
+def test_cpu_path_runs_every_comparison(tmp_path):
+    "`--device cpu --quick`: every section runs dtnb's benchmark beside the plain loop; the JSON holds both sides"
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')])}
+    r = subprocess.run([sys.executable, str(SCRIPT), '--device', 'cpu', '--quick', '--out', str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert 'no GPU figure' in r.stdout and '== anchors' in r.stdout
+    d = json.loads((tmp_path / 'gpu_bench.json').read_text())
+    assert d['gpu_figures'] is False and d['measured_on'] == 'cpu' and d['failed_sections'] == []
+    assert d['fingerprint']['torch'] == torch.__version__ and d['fingerprint']['dtnb']
+    s = d['sections']
+    assert list(s) == ['matmul', 'memory', 'mfu', 'step']
+    assert {a['verdict'] for x in s.values() for a in x['anchors']} == {'cpu n/a'}  # no anchor is held on a CPU
+    for name, m in s['matmul']['summary'].items():   # the ratio is dtnb's max over the plain loop's max
+        assert m['dtnb_max_tflops'] > 0 and m['plain_max_tflops'] > 0 and m['spec_peak_tflops'] == 'unknown'
+        assert abs(m['ratio'] - m['dtnb_max_tflops'] / m['plain_max_tflops']) < 1e-12
+        assert m['dtnb_max_tflops'] == max(x['dtnb_tflops'] for x in s['matmul']['rows'] if x['dtype'] == name)
+    mem = s['memory']['summary']
+    assert mem['copy_dtnb_gbs'] > 0 and mem['copy_plain_gbs'] > 0 and mem['spec_gbs'] == 'unknown'
+    g, mfu = d['config']['gpt'], s['mfu']['summary']   # FlopCounterMode counts what the formula says, exactly
+    assert mfu['flops_counted'] == g['L'] * (72 * g['b'] * g['s'] * g['h']**2 + 12 * g['b'] * g['s']**2 * g['h'])
+    assert mfu['measured_matmul_peak_tflops'] == s['matmul']['summary']['fp32']['dtnb_max_tflops']
+    assert 0 < mfu['dtnb_mfu_vs_measured'] and mfu['dtnb_mfu_vs_spec'] == 'unknown'
+    for strategy in ('ddp', 'fsdp'):   # wrap(model, strategy) trains exactly as DDP / fully_shard written by hand
+        st = s['step']['summary'][strategy]
+        assert len(st['dtnb_losses']) >= 4 and st['dtnb_losses'] == st['torch_losses'], st
+        assert st['ratio'] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: the script measures instead")
+def test_no_cuda_path_says_so_and_writes_nothing(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location('gpu_bench', SCRIPT)
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    assert mod.main(['--out', str(tmp_path / 'out')]) == 0
+    assert 'no CUDA device here' in capsys.readouterr().out
+    assert not (tmp_path / 'out').exists()
+    with pytest.raises(SystemExit): mod.main(['--device', 'cpu', '--only', 'matmul,flops'])  # unknown section
+
+
+def _cells(nb):
+    cells = json.loads((ROOT / 'nbs' / f'{nb}.ipynb').read_text())['cells']
+    return [''.join(c['source']) for c in cells if c['cell_type'] == 'code']
+
+
+def _bound(tree):
+    "Names a piece of code binds: assignments, defs, arguments, imports"
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)): out.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)): out.add(n.name)
+        elif isinstance(n, ast.arg): out.add(n.arg)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            for a in n.names:
+                if a.name == '*': out |= {k for k in dir(importlib.import_module(n.module)) if not k.startswith('_')}
+                else: out.add((a.asname or a.name).split('.')[0])
+        elif isinstance(n, ast.ExceptHandler) and n.name: out.add(n.name)
+    return out
+
+
+@pytest.mark.parametrize('nb', GPU_NBS)
+def test_gpu_cells_compile_and_use_defined_names(nb):
+    "The `#| cuda` / `#| multicuda` cells parse, import nothing (docs builds run cells that import), name no unknown"
+    src = _cells(nb)
+    gpu = [c for c in src if c.lstrip().startswith(('#| cuda', '#| multicuda'))]
+    assert len(gpu) >= 3, f"{nb}: expected the GPU anchor cells, found {len(gpu)}"
+    defined = set(dir(builtins)) | set().union(*(_bound(ast.parse(c)) for c in src if not c.lstrip().startswith('%')))
+    for c in gpu:
+        tree = compile(c, f'{nb} cuda cell', 'exec', ast.PyCF_ONLY_AST)
+        assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(tree)), c
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        assert not (unknown := used - defined), f"{nb}: {sorted(unknown)} undefined in\n{c}"
