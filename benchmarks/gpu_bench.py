@@ -86,6 +86,14 @@ class precision:
     def __exit__(self, *a): torch.set_float32_matmul_precision(self.old)
 
 
+def peaks_of(name, dtype):
+    "(spec peak TFLOPS from dtnb.specs, best known measured TFLOPS, where that comes from) of the device `name`"
+    from dtnb.specs import peak_tflops
+    peaks, src = peak_tflops(name)
+    known, known_src = KNOWN_MAX.get((src.split(':')[0] if src else None, dtype), (None, None))
+    return peaks.get(dtype), known, known_src
+
+
 def ratio(a, b): return a / b if a and b else None
 
 
@@ -124,16 +132,14 @@ def matmul_section(device, cfg, ctx):
                 n = row['m']; b = best.setdefault((name, n), [0.0, 0.0])
                 b[0] = max(b[0], row['tflops'])
                 b[1] = max(b[1], plain_matmul_tflops(name, n, device, cfg['repeats']))
-    peaks, src = peak_tflops(ctx['fp']['name'])
-    label = src.split(':')[0] if src else None
+    src = peak_tflops(ctx['fp']['name'])[1]
     rows = [dict(dtype=name, shape=f"{n}^3", dtnb_tflops=d, plain_tflops=p, ratio=ratio(d, p))
             for (name, n), (d, p) in best.items()]
     summary, anchors = {}, []
     for name in cfg['dtypes']:
         mine = [v for (k, _), v in best.items() if k == name]
         d, p = max(v[0] for v in mine), max(v[1] for v in mine)
-        known, known_src = KNOWN_MAX.get((label, name), (None, None))
-        spec = peaks.get(name)
+        spec, known, known_src = peaks_of(ctx['fp']['name'], name)
         summary[name] = dict(dtnb_max_tflops=d, plain_max_tflops=p, ratio=ratio(d, p),
                              verdict=anchor_verdict(ratio(d, p), device),
                              spec_peak_tflops=spec or 'unknown', pct_of_spec=pct(d, spec),
@@ -330,6 +336,16 @@ RUNS = dict(matmul=matmul_section, memory=memory_section, mfu=mfu_section, step=
 
 
 # ---------------------------------------------------------------- fingerprint, tables, main
+def nvidia_smi(fields):
+    "One line per GPU of `nvidia-smi --query-gpu=fields`, or None without nvidia-smi or when it fails"
+    smi = shutil.which('nvidia-smi')
+    if not smi: return None
+    try: q = subprocess.run([smi, f'--query-gpu={fields}', '--format=csv,noheader'], capture_output=True, text=True,
+                            timeout=30)
+    except (OSError, subprocess.SubprocessError): return None
+    return q.stdout.strip().splitlines() if q.returncode == 0 else None
+
+
 def fingerprint(device):
     "What was measured on: device name, capability, torch/CUDA/cuDNN versions, the driver (nvidia-smi), dtnb's view"
     from dtnb.device import detect
@@ -340,12 +356,8 @@ def fingerprint(device):
         p = torch.cuda.get_device_properties(device)
         fp.update(name=p.name, capability=f"{p.major}.{p.minor}", memory_gib=round(p.total_memory / 2**30, 1),
                   sms=p.multi_processor_count)
-        smi = shutil.which('nvidia-smi')
-        if smi:
-            q = subprocess.run([smi, '--query-gpu=index,name,driver_version,pci.bus_id,clocks.max.sm,power.limit',
-                                '--format=csv,noheader'], capture_output=True, text=True, timeout=30)
-            fp['nvidia_smi'] = q.stdout.strip().splitlines()
-            fp['driver'] = fp['nvidia_smi'][0].split(', ')[2] if fp['nvidia_smi'] else None
+        fp['nvidia_smi'] = smi = nvidia_smi('index,name,driver_version,pci.bus_id,clocks.max.sm,power.limit')
+        fp['driver'] = (nvidia_smi('driver_version') or [None])[0] if smi is not None else None
     else: fp.update(name=platform.processor() or platform.machine(), capability=None, driver=None)
     return fp
 

@@ -9,6 +9,12 @@ SCRIPT = ROOT / 'benchmarks' / 'gpu_bench.py'
 GPU_NBS = ('06_bench', '06b_throughput')
 
 
+def _script():
+    spec = importlib.util.spec_from_file_location('gpu_bench', SCRIPT)
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    return mod
+
+
 def test_cpu_path_runs_every_comparison(tmp_path):
     "`--device cpu --quick`: every section runs dtnb's benchmark beside the plain loop; the JSON holds both sides"
     env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')])}
@@ -40,12 +46,26 @@ def test_cpu_path_runs_every_comparison(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: the script measures instead")
 def test_no_cuda_path_says_so_and_writes_nothing(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location('gpu_bench', SCRIPT)
-    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    mod = _script()
     assert mod.main(['--out', str(tmp_path / 'out')]) == 0
     assert 'no CUDA device here' in capsys.readouterr().out
     assert not (tmp_path / 'out').exists()
     with pytest.raises(SystemExit): mod.main(['--device', 'cpu', '--only', 'matmul,flops'])  # unknown section
+
+
+def test_anchors_and_fingerprint_of_an_h100(tmp_path, monkeypatch):
+    "The figures an H100 SXM is held to, and the driver read from a recorded nvidia-smi (a stand-in for the query)"
+    mod = _script()
+    h100 = mod.peaks_of('NVIDIA H100 80GB HBM3', 'bf16')
+    assert h100[:2] == (989.4, 794.0) and 'issue 15' in h100[2]
+    assert mod.peaks_of('NVIDIA H100 80GB HBM3', 'fp32')[1] is None       # no known max: 'unknown', never borrowed
+    assert mod.peaks_of('NVIDIA A100-SXM4-80GB', 'bf16') == (312.0, None, None)
+    smi = tmp_path / 'nvidia-smi'
+    smi.write_text('#!/bin/sh\necho "0, NVIDIA H100 80GB HBM3, 550.54.15, 00000000:18:00.0, 1980 MHz, 700.00 W"\n')
+    smi.chmod(0o755); monkeypatch.setenv('PATH', f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert mod.nvidia_smi('index,name') == ['0, NVIDIA H100 80GB HBM3, 550.54.15, 00000000:18:00.0, 1980 MHz, 700.00 W']
+    smi.write_text('#!/bin/sh\necho "Field power.limit is not a valid field"; exit 2\n')
+    assert mod.nvidia_smi('power.limit') is None                              # a failing nvidia-smi is no fingerprint
 
 
 def _cells(nb):
