@@ -35,3 +35,9 @@ def test_requirements_leave_torch_to_the_gpu_machine():
     reqs = r.stdout.split()
     assert r.returncode == 0 and 'nbdev>=3.3' in reqs and 'fastcore>=1.8' in reqs and 'nvidia-ml-py>=12' in reqs
     assert not [q for q in reqs if q.startswith(('torch', 'playwright'))]
+
+
+def test_multicuda_cells_only_with_two_gpus():
+    "On one GPU the #| multicuda cells would put 2 ranks on it (an oversubscription error): they run from 2 GPUs"
+    flags = [run('--flags-for', str(n)).stdout.split() for n in (1, 2, 8)]
+    assert flags == [['cuda', 'slow'], ['cuda', 'multicuda', 'slow'], ['cuda', 'multicuda', 'slow']]

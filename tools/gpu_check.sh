@@ -6,6 +6,7 @@
 #   tools/gpu_check.sh [OUT_DIR]      default: $OUT, else gpu-check-<date>/
 #   tools/gpu_check.sh --install-only install from the wheelhouse, run nothing
 #   tools/gpu_check.sh --requirements print what the wheelhouse must hold (dtnb's deps, the test tools; no torch)
+#   tools/gpu_check.sh --flags-for N  print the nbdev-test flags used with N GPUs (multicuda only with 2 or more)
 #
 # Environment: PYTHON (default python3: the one that has torch), WHEELHOUSE (default .whl), GPU_CHECK_VENV (where
 # to install when PYTHON is not a venv already; default $TMPDIR/dtnb-gpu-venv, made with --system-site-packages so
@@ -52,8 +53,13 @@ install() {  # into a venv over PYTHON's packages (torch stays the preinstalled 
   export PATH="$BIN:$PATH"
 }
 
+flags_for() {  # nbdev-test flags for $1 GPUs: #| multicuda cells need two or more (on one they would oversubscribe it)
+  if [ "${1:-0}" -ge 2 ]; then echo "cuda multicuda slow"; else echo "cuda slow"; fi
+}
+
 case "${1:-}" in
   --requirements) requirements; exit ;;
+  --flags-for) flags_for "${2:-0}"; exit ;;
   --install-only) install; exit ;;
 esac
 
@@ -83,8 +89,12 @@ step() {  # step NAME COMMAND...: run, log to NAME.log, record exit code and sec
 { nvidia-smi; nvidia-smi topo -m; } >"$OUT_DIR/nvidia-smi.txt" 2>&1
 step env-json sh -c "dtnb env --json >'$OUT_DIR/env.json'"
 step env dtnb env
-step nbdev-test nbdev-test --flags "cuda multicuda slow" --n-workers 1 --timing
-step pytest "$PY" -m pytest -ra -p no:cacheprovider tests --ignore=tests/test_site.py --junitxml="$OUT_DIR/pytest.xml"
+flags=$(flags_for "$n")
+[ "$n" -ge 2 ] || echo "gpu_check: one GPU: #| multicuda cells and multicuda tests are skipped"
+step nbdev-test nbdev-test --flags "$flags" --n-workers 1 --timing
+marks=$( [ "$n" -ge 2 ] && echo "" || echo "not multicuda" )
+step pytest "$PY" -m pytest -ra -p no:cacheprovider tests --ignore=tests/test_site.py -m "$marks" \
+  --junitxml="$OUT_DIR/pytest.xml"
 step bench dtnb bench --out "$OUT_DIR/bench"
 for f in benchmarks/gpu_*.py; do  # GPU benchmarks: each prints its figures beside plain torch loops, writes JSON
   [ -e "$f" ] || continue          # to $DTNB_BENCH_OUT and, under DTNB_BENCH_STRICT=1, fails when an anchor is missed
