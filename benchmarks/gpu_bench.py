@@ -328,6 +328,8 @@ def step_section(device, cfg, ctx):
     g = cfg['step_gpt']
     notes = [f"GPT(L={g['L']}, h={g['h']}, a={g['a']}), s={g['s']}, b={g['b']}, AdamW, autocast {cfg['amp']}; "
              f"one rank ({'gloo, CPU' if cpu else 'nccl, one GPU'}); steps/s: best median over rounds"]
+    if not cpu and device.index: notes.append("the rank runs on cuda:0 (launch's local rank 0), not on --device: "
+                                              "pick the GPU with CUDA_VISIBLE_DEVICES instead")
     return dict(columns=['strategy', 'dtnb_steps_s', 'torch_steps_s', 'ratio', 'loss_max_diff'], rows=rows,
                 summary=summary, anchors=anchors, notes=notes)
 
