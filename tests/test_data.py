@@ -50,8 +50,9 @@ def test_tuner_beats_no_workers_on_cpu_bound_set():
 
 def test_tuner_beats_no_workers_more_on_io_like_set():
     ds = SyntheticDataset(2048, cost_ms=2, mode='sleep')
-    res = tune_loader(ds, 16, trial_s=0.5)
-    assert res.best.settings['num_workers'] > res.limits['cores_per_rank'], res  # waiting samples use more workers than cores
+    cores = worker_limits(measure_sample_cost(ds), 16)['cores_per_rank']
+    res = tune_loader(ds, 16, trial_s=0.5, max_workers=4 * cores)  # beyond the cores only when asked
+    assert res.best.settings['num_workers'] > cores, res  # waiting samples use more workers than cores
     zero, tuned = side_by_side(ds, 16, res.best.settings, trial_s=0.6)
     assert tuned >= 3 * zero, f"tuned {res.best.settings}: {tuned:.0f} vs {zero:.0f} samples/s ({tuned / zero:.2f}×)\n{res}"
 
@@ -212,4 +213,41 @@ def test_spawn_without_persistent_workers_is_advised():
     p = profile_loader(loader, n_batches=8)
     assert p.settings['start_method'] == 'spawn' and p.first_batch_s > 0.3, p
     assert any('1 spawn worker afresh' in a and 'persistent_workers=True' in a for a in p.advice), p.advice
+    assert children() == []
+
+
+# --- tuned settings that compose: per-rank workers, kwargs for DataLoader and distributed_loader, the order kept -------
+
+def _epoch_labels(kwargs, global_batch_size):
+    "The labels (sample indices) this rank's share of one epoch holds, through distributed_loader with tuned kwargs"
+    import torch.distributed as dist
+    from dtnb.ddp import distributed_loader
+    ds = SyntheticDataset(96, cost_ms=1, mode='sleep', shape=(1,), n_classes=96)  # label = index
+    dl = distributed_loader(ds, global_batch_size=global_batch_size, **kwargs)
+    labels = [int(l) for _, ys in dl for l in ys]
+    lim = worker_limits(measure_sample_cost(SyntheticDataset(4, cost_ms=0)), 8)  # local ranks from the launcher
+    return labels, dl.loader.num_workers, lim['local_ranks'], lim['max_workers'], dist.get_world_size()
+
+
+def test_tuned_kwargs_compose_with_distributed_loader_and_dataloader():
+    import gc
+    ds = SyntheticDataset(96, cost_ms=1, mode='sleep', shape=(1,), n_classes=96)
+    cores = worker_limits(measure_sample_cost(ds), 8)['cores']
+    two = tune_loader(ds, 8, trial_s=0.1, local_ranks=2, progress=False)  # tuned before launching 2 ranks
+    assert two.limits['local_ranks'] == 2 and two.limits['max_workers'] == max(1, cores // 2), two.limits
+    assert all(t.settings['num_workers'] <= max(1, cores // 2) for t in two.trials), two  # each rank's share
+    res = tune_loader(ds, 8, trial_s=0.1, progress=False, shuffle=True)  # one rank: waiting samples gain from workers
+    assert res.kwargs['num_workers'] >= 1 and res.kwargs['num_workers'] <= cores, res
+    for r in (two, res):
+        assert not any(t.settings.get('in_order') is False for t in r.trials), r  # allow_reorder=False: order kept
+        assert not {'batch_size', 'shuffle', 'sampler', 'drop_last'} & set(r.kwargs), r.kwargs
+    assert (res.batch_size, res.sampling) == (8, dict(shuffle=True))
+    dl = DataLoader(ds, batch_size=8, **res.kwargs)  # unmodified, one process
+    assert [int(l) for _, ys in dl for l in ys] == list(range(96))
+    del dl; gc.collect()
+    out = launch(_epoch_labels, res.kwargs, 16, nprocs=2, timeout=120)  # unmodified, each rank's share
+    (l0, w0, ranks0, cap0, ws0), (l1, w1, ranks1, cap1, ws1) = out
+    assert sorted(l0 + l1) == list(range(96)) and len(l0) == len(l1) == 48  # every sample once across the ranks
+    assert w0 == w1 == res.kwargs['num_workers'] and (ranks0, ranks1, ws0, ws1) == (2, 2, 2, 2)
+    assert cap0 == cap1 == max(1, cores // 2)  # inside the ranks, the same share as tuned from outside
     assert children() == []
