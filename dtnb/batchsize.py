@@ -116,6 +116,9 @@ def _step_bytes(model, opt, sample, n, dev, precision, loss_fn):
         synchronize(dev)
         return acc.max_memory_allocated()
     except torch.OutOfMemoryError: return None
+    except RuntimeError as e:  # some libraries' allocation failures (cuBLAS workspaces) come as plain RuntimeErrors
+        if 'out of memory' in str(e) or 'ALLOC_FAILED' in str(e): return None
+        raise
     finally:
         batch = loss = None
         opt.zero_grad(set_to_none=True)
