@@ -294,9 +294,10 @@ def _advice(cost, limits, base, best, trials, epoch_batches, bigger=None) -> lis
     if cost.cpu_bound and w and best.samples_per_s >= 0.6 * _ceiling(cost, per_rank):
         out.append(_limit_advice(cost, per_rank, best))
     if not cost.cpu_bound and w >= limits['max_workers']:
-        out.append(f"the best setting uses all {w} workers allowed ({limits['why']}) and samples mostly wait "
-                   f"({cost.cpu_ms:.2f} of {cost.wall_ms:.2f} ms is CPU): more workers (max_workers=...) or "
-                   "asynchronous reads may go further")
+        out.append(f"the best setting uses all {plural(w, 'worker')} allowed ({limits['why']}) and samples mostly "
+                   f"wait ({cost.cpu_ms:.2f} of {cost.wall_ms:.2f} ms is CPU): more workers than cores may go further "
+                   f"(tune_loader(..., max_workers={4 * w}) tries them; torch warns about workers beyond the cores), "
+                   "or asynchronous reads")
     if w == 0: out += _no_worker_advice(cost, base, trials)
     if w and epoch_batches and best.settings.get('persistent_workers') and best.restart_s is not None:
         gain = best.first_batch_s - best.restart_s
