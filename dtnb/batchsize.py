@@ -64,7 +64,7 @@ def _largest(fits, max_batch:int, guess:int|None=None) -> tuple[int, int|None]:
 class BatchSize:
     "The largest per-device batch that fits, and how it was found"
     batch_size: int         # 0: not even one sample fits
-    method: str             # 'estimate' (dtnb.memory's estimate against the budget) or 'tried' (real steps on the device)
+    method: str             # 'estimate' (dtnb.memory's estimate against the budget) or 'tried' (real steps)
     budget: int|None        # bytes per device the step had to fit in (None: the device's memory, found by trying)
     budget_source: str      # where the budget came from
     bytes: int|None         # per device at batch_size: estimated total, or measured peak
@@ -165,7 +165,7 @@ def find_batch_size(model,                  # the nn.Module to train (not change
                     optimizer:str='adamw',
                     precision:str='fp32',   # 'fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true'
                     loss_fn=None,           # loss_fn(output, target) with (x, y) samples; else the output is summed
-                    memory=None,            # bytes per device (or '64MB'); default: accelerator memory, else RAM ÷ ranks
+                    memory=None,            # bytes per device (or '64MB'); default: accelerator, else RAM ÷ ranks
                     checkpoint:bool=False,  # activation checkpointing of each block (estimate)
                     units=None,             # the model's blocks (default: find_blocks)
                     max_batch:int=65536,    # largest batch considered

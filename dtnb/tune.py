@@ -100,8 +100,8 @@ def worker_limits(cost:SampleCost, batch_size:int, max_workers:int|None=None, pr
         why = (f"half of /dev/shm ({fmt_bytes(shm)} free) holds {prefetch} batches of {fmt_bytes(batch_bytes)} "
                "per worker")
     if max_workers is not None:
-        cap, why = max_workers, f"max_workers={max_workers}" + (
-            f" (more than the {per_rank} cores per rank: the workers will take turns)" if max_workers > per_rank else '')
+        over = f" (more than the {per_rank} cores per rank: the workers will take turns)"
+        cap, why = max_workers, f"max_workers={max_workers}" + (over if max_workers > per_rank else '')
     return dict(cores=cores, local_ranks=ranks, cores_per_rank=per_rank, shm_free=shm, batch_bytes=batch_bytes,
                 max_workers=cap, why=why)
 
@@ -323,7 +323,7 @@ _COLORS = dict(baseline='tab:gray', coarse='tab:blue', fine='tab:cyan', option='
 @dataclass
 class TuneResult:
     "The fastest DataLoader setting found, every trial, and advice"
-    kwargs: dict         # loading arguments of the best setting and your fixed ones: for DataLoader and distributed_loader
+    kwargs: dict         # how to load (best setting, your fixed arguments): for DataLoader and distributed_loader
     best: LoaderTrial
     baseline: LoaderTrial  # num_workers=0
     trials: list
@@ -349,6 +349,8 @@ class TuneResult:
         return [('best', f"{fmt_settings(b.settings)}: {b.samples_per_s:.0f} samples/s, {self.speedup:.2f}× "
                          f"num_workers=0 ({self.baseline.samples_per_s:.0f})"),
                 ('kwargs', ', '.join(f"{k}={v!r}" for k, v in self.kwargs.items())),
+                ('batches', ', '.join(f"{k}={v!r}" for k, v in dict(batch_size=self.batch_size, **self.sampling).items())
+                            + " (yours to give: not in kwargs)"),
                 ('sample', str(self.cost)),
                 ('limits', f"up to {plural(self.limits['max_workers'], 'worker')} per rank: {self.limits['why']}"),
                 ('search', f"{len(self.trials)} trials in {self.wall_s:.1f} s ({self.search}){stopped}"
@@ -357,7 +359,10 @@ class TuneResult:
                               "exact resume needs (allow_reorder=True tries it)"))
                ] + [('advice', a) for a in self.advice]
 
-    def to_dict(self): return {**asdict(self), 'speedup': self.speedup, 'ceiling': self.ceiling}
+    def to_dict(self):
+        plain = lambda d: {k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v) for k, v in d.items()}
+        return {**asdict(self), 'kwargs': plain(self.kwargs), 'sampling': plain(self.sampling), 'speedup': self.speedup,
+                'ceiling': self.ceiling}
     def _trials(self, table): return table(_TRIAL_COLS, [t.row() for t in self.trials])
     def _repr_markdown_(self): return md_table(('tune_loader', ''), self.rows()) + '\n\n' + self._trials(md_table)
     def __str__(self): return '\n'.join(f"{k:>8}: {v}" for k, v in self.rows()) + '\n\n' + self._trials(text_table)
