@@ -349,7 +349,7 @@ class TuneResult:
         return [('best', f"{fmt_settings(b.settings)}: {b.samples_per_s:.0f} samples/s, {self.speedup:.2f}× "
                          f"num_workers=0 ({self.baseline.samples_per_s:.0f})"),
                 ('kwargs', ', '.join(f"{k}={v!r}" for k, v in self.kwargs.items())),
-                ('batches', ', '.join(f"{k}={v!r}" for k, v in dict(batch_size=self.batch_size, **self.sampling).items())
+                ('batches', ', '.join(f"{k}={v!r}" for k, v in {'batch_size': self.batch_size, **self.sampling}.items())
                             + " (yours to give: not in kwargs)"),
                 ('sample', str(self.cost)),
                 ('limits', f"up to {plural(self.limits['max_workers'], 'worker')} per rank: {self.limits['why']}"),
@@ -360,7 +360,8 @@ class TuneResult:
                ] + [('advice', a) for a in self.advice]
 
     def to_dict(self):
-        plain = lambda d: {k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v) for k, v in d.items()}
+        simple = lambda v: isinstance(v, (bool, int, float, str, type(None)))
+        plain = lambda d: {k: v if simple(v) else repr(v) for k, v in d.items()}
         return {**asdict(self), 'kwargs': plain(self.kwargs), 'sampling': plain(self.sampling), 'speedup': self.speedup,
                 'ceiling': self.ceiling}
     def _trials(self, table): return table(_TRIAL_COLS, [t.row() for t in self.trials])
