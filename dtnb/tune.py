@@ -317,6 +317,14 @@ def _advice(cost, limits, base, best, trials, epoch_batches, bigger=None) -> lis
     return out
 
 # %% ../nbs/05b_tune.ipynb #952d6981
+_SAMPLING = ('shuffle', 'sampler', 'drop_last', 'generator')  # which samples make a batch: the caller's, not in kwargs
+_WORKERS_ONLY = ('multiprocessing_context', 'timeout')  # DataLoader refuses these with num_workers=0
+
+def _loading_kwargs(settings:dict, fixed:dict) -> dict:
+    "DataLoader keyword arguments of a searched setting with the caller's fixed ones (sampling ones left out)"
+    keep = lambda k: k not in _SAMPLING and (settings.get('num_workers') or k not in _WORKERS_ONLY)
+    return {**settings, **{k: v for k, v in fixed.items() if keep(k)}}
+
 _COLORS = dict(baseline='tab:gray', coarse='tab:blue', fine='tab:cyan', option='tab:green', confirm='tab:olive',
                grid='tab:blue', batch='tab:purple')
 
@@ -336,9 +344,13 @@ class TuneResult:
     batch_size: int|None = None  # samples per batch the trials used (per rank)
     sampling: dict = field(default_factory=dict)  # your shuffle, sampler, drop_last, generator: used, not in kwargs
     allow_reorder: bool = False  # whether in_order=False was tried
+    fixed: dict = field(default_factory=dict)  # your other DataLoader arguments (collate_fn, timeout ...)
 
     @property
     def speedup(self) -> float: return self.best.samples_per_s / self.baseline.samples_per_s
+    def kwargs_for(self, trial:LoaderTrial) -> dict:
+        "The `kwargs` had `trial` won: its settings with your fixed arguments (e.g. a row with fewer workers)"
+        return _loading_kwargs(trial.settings, self.fixed)
     @property
     def ceiling(self) -> float:
         "Samples/s the cores per rank give at the measured CPU time per sample (inf for a sample of no CPU time)"
@@ -385,8 +397,6 @@ class TuneResult:
         return fig
 
 # %% ../nbs/05b_tune.ipynb #83d36b94
-_SAMPLING = ('shuffle', 'sampler', 'drop_last', 'generator')  # which samples make a batch: the caller's, not in kwargs
-
 def _check_tune_args(dataset, batch_size, loader_kwargs, search):
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive whole number of samples per batch, "
@@ -416,11 +426,13 @@ def tune_loader(dataset,                       # map-style or iterable Dataset
     cost = measure_sample_cost(dataset, collate_fn=loader_kwargs.get('collate_fn'))  # fails fast, in this process
     limits = worker_limits(cost, batch_size, max_workers, local_ranks=local_ranks)
     has_acc = accelerators()[0] is not None  # asked without initialising CUDA (a forked rank could not use it)
+    sampling = {k: v for k, v in loader_kwargs.items() if k in _SAMPLING}
     trials, bar = [], progress_bar(desc='tune_loader', enable=progress)
     def run(settings, stage, bs=batch_size):
         if trials and time_budget is not None and time.perf_counter() - t_start > time_budget:
             raise _OutOfTime(f"time_budget={time_budget} s")
-        t = loader_trial(dataset, bs, trial_s, stage, **settings, **loader_kwargs); trials.append(t)
+        kw = {**_loading_kwargs(settings, loader_kwargs), **sampling}
+        t = loader_trial(dataset, bs, trial_s, stage, **kw); trials.append(t)
         if bar is not None: bar.update(); bar.set_postfix_str(f"{fmt_settings(settings)}: {t.samples_per_s:.0f}/s")
         return t
     stopped = None
@@ -436,11 +448,10 @@ def tune_loader(dataset,                       # map-style or iterable Dataset
     if bar is not None: bar.close()
     epoch_batches = math.ceil(len(dataset) / batch_size) if hasattr(dataset, '__len__') else None
     adv = _advice(cost, limits, trials[0], best, trials, epoch_batches, bigger)
-    kwargs = {**best.settings, **{k: v for k, v in loader_kwargs.items() if k not in _SAMPLING}}
-    sampling = {k: v for k, v in loader_kwargs.items() if k in _SAMPLING}
     wall = time.perf_counter() - t_start
-    return TuneResult(kwargs, best, trials[0], trials, cost, limits, adv, wall, search, stopped, batch_size, sampling,
-                      allow_reorder)
+    fixed = {k: v for k, v in loader_kwargs.items() if k not in _SAMPLING}
+    return TuneResult(_loading_kwargs(best.settings, fixed), best, trials[0], trials, cost, limits, adv, wall, search,
+                      stopped, batch_size, sampling, allow_reorder, fixed)
 
 # %% ../nbs/05b_tune.ipynb #fc5d47de
 @dataclass
