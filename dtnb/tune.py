@@ -374,8 +374,8 @@ class TuneResult:
     def to_dict(self):
         simple = lambda v: isinstance(v, (bool, int, float, str, type(None)))
         plain = lambda d: {k: v if simple(v) else repr(v) for k, v in d.items()}
-        return {**asdict(self), 'kwargs': plain(self.kwargs), 'sampling': plain(self.sampling), 'speedup': self.speedup,
-                'ceiling': self.ceiling}
+        return {**asdict(self), 'kwargs': plain(self.kwargs), 'sampling': plain(self.sampling),
+                'fixed': plain(self.fixed), 'speedup': self.speedup, 'ceiling': self.ceiling}
     def _trials(self, table): return table(_TRIAL_COLS, [t.row() for t in self.trials])
     def _repr_markdown_(self): return md_table(('tune_loader', ''), self.rows()) + '\n\n' + self._trials(md_table)
     def __str__(self): return '\n'.join(f"{k:>8}: {v}" for k, v in self.rows()) + '\n\n' + self._trials(text_table)
