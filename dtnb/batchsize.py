@@ -75,11 +75,12 @@ class BatchSize:
     note: str = ''
 
     def rows(self):
+        b = lambda n: '-' if n is None else f"{fmt_bytes(n)} ({n:,} bytes)"
         nxt = ('-' if self.next_batch is None else
-               f"{self.next_batch}: {fmt_bytes(self.next_bytes) if self.next_bytes is not None else 'out of memory'}")
+               f"{self.next_batch}: {b(self.next_bytes) if self.next_bytes is not None else 'out of memory'}")
         return [('batch size', f"{self.batch_size} per device"), ('found by', self.method),
                 ('setup', self.setup), ('budget', f"{fmt_bytes(self.budget)} ({self.budget_source})"),
-                ('at that batch', fmt_bytes(self.bytes)), ('next batch', nxt),
+                ('at that batch', b(self.bytes)), ('next batch', nxt),
                 ('checks', ', '.join(str(c[0]) + ('' if c[2] else '✗') for c in self.checks))] + \
                ([('note', self.note)] if self.note else [])
     def to_dict(self): return asdict(self)
