@@ -15,6 +15,7 @@ _API = '''
     Degrees parallelize tp_plan apply_tp data_rank
     estimate_memory recommend measure_memory trace_activations memory_explorer TransformerShape MemoryEstimate
     MemoryPlan MemoryMeasurement
+    find_batch_size BatchSize
     save_checkpoint load_checkpoint latest_checkpoint list_checkpoints checkpoint_path resumable
     export_model export_checkpoint load_exported CheckpointError
     fit FitResult

@@ -7,6 +7,7 @@ Docs: https://dtnb-dev.github.io/dtnb/launcher.html.md"""
 # %% ../nbs/01_launcher.ipynb #e79fd174
 from __future__ import annotations
 import os, sys, io, gc, time, signal, socket, tempfile, threading, traceback, atexit, shutil, contextlib, datetime
+import warnings
 import multiprocessing as mp
 from multiprocessing.connection import wait as _wait
 from .device import usable_cores
@@ -302,6 +303,20 @@ def _threads_per_rank(nprocs, threads, method):
         n = 1  # a forked child's first multi-threaded op can deadlock on the parent's OpenMP pool
     return n
 
+def _cpu_oversubscription(nprocs, threads, cores) -> str|None:
+    "Why `nprocs` ranks of `threads` torch threads each (None: cores ÷ ranks) oversubscribe `cores` cores, or None"
+    if nprocs > cores:
+        return (f"launch(nprocs={nprocs}) starts {nprocs} ranks on {cores} CPU core{'s' * (cores != 1)}: the ranks "
+                f"take turns on the cores (oversubscribed), so every step is slower and collectives wait for ranks "
+                f"that are not running; each rank gets {threads or 1} torch thread{'s' * ((threads or 1) != 1)}. "
+                f"Use nprocs={cores} or fewer for speed (more ranks are fine for a correctness check)")
+    if threads and nprocs * threads > cores:
+        return (f"threads={threads} × {nprocs} ranks = {nprocs * threads} torch threads on {cores} CPU "
+                f"core{'s' * (cores != 1)}: the threads take turns (oversubscribed), which makes every step slower; "
+                f"leave threads=None (cores ÷ ranks = {max(1, cores // nprocs)} each) or pass "
+                f"threads={max(1, cores // nprocs)}")
+    return None
+
 # %% ../nbs/01_launcher.ipynb #bd4e4115
 def _start(fn, args, kwargs, nprocs, method, threads, backend, port, env, tmp, pg_timeout):
     "Start the rank processes; returns (processes, {read fd: rank})"
@@ -385,6 +400,7 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
     if device: env = {**(env or {}), 'DTNB_DEVICE': device}
     method = _start_method(start_method)
     if port is not None: check_port(port)
+    if (why := _cpu_oversubscription(nprocs, threads, usable_cores())): warnings.warn(why, stacklevel=2)
     pg_timeout = 600 if timeout is None else timeout + 60  # launch's own timeout reports first, with stacks
     tmp = tempfile.mkdtemp(prefix='dtnb-launch-')
     procs, out = [], _Output(prefix)

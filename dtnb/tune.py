@@ -7,7 +7,7 @@ Docs: https://dtnb-dev.github.io/dtnb/tune.html.md"""
 # %% ../nbs/05b_tune.ipynb #72cf04b7
 from __future__ import annotations
 import os, math, time, shutil, warnings, itertools, statistics
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass, asdict, field
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
@@ -37,24 +37,33 @@ class SampleCost:
         return (f"{self.wall_ms:.3f} ms wall, {self.cpu_ms:.3f} ms CPU, {fmt_bytes(self.bytes)} per sample "
                 f"({'CPU-bound' if self.cpu_bound else 'mostly waiting'}; {self.n} measured)")
 
-def measure_sample_cost(dataset, n:int=16, collate_fn=None) -> SampleCost:
-    "Fetch `n` samples spread over `dataset` in this process and time them"
-    from torch.utils.data import default_collate
-    ds = guard(dataset)
-    if isinstance(ds, IterableDataset): idx, src = None, iter(ds)
+def _fetch(ds, n):
+    "Up to `n` + 1 samples spread over `ds` (the first one a warm-up): [(sample, wall s, CPU s)]"
+    if isinstance(ds, IterableDataset): src = iter(ds); get = lambda k: next(src)
     else:
         if len(ds) == 0: raise ValueError("The dataset is empty (len 0): there is nothing to load")
-        idx = [i * len(ds) // min(n, len(ds)) for i in range(min(n, len(ds)))]
-    t0, c0, got = time.perf_counter(), time.process_time(), []
-    for k in range(len(idx) if idx else n):
-        if idx: got.append(ds[idx[k]])
-        else:
-            try: got.append(next(src))
-            except StopIteration: break
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        m = min(n + 1, len(ds)); get = lambda k: ds[k * len(ds) // m]
+    got = []
+    for k in range(n + 1):
+        t, c = time.perf_counter(), time.process_time()
+        try: x = get(k)
+        except StopIteration: break
+        got.append((x, time.perf_counter() - t, time.process_time() - c))
+        if not isinstance(ds, IterableDataset) and k + 1 >= len(ds): break
+    return got
+
+def measure_sample_cost(dataset, n:int=16, collate_fn=None) -> SampleCost:
+    "Fetch `n` samples spread over `dataset` in this process as a DataLoader worker would (one torch thread, warm)"
+    from torch.utils.data import default_collate
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try: got = _fetch(guard(dataset), n)
+    finally: torch.set_num_threads(threads)
     if not got: raise ValueError("The dataset yielded no samples: there is nothing to load")
-    nbytes = batch_stats((collate_fn or default_collate)(got))[1]
-    return SampleCost(wall / len(got) * 1e3, cpu / len(got) * 1e3, nbytes // len(got), len(got))
+    timed = got[1:] or got  # the first sample warms up (one sample only: it is all there is)
+    nbytes = batch_stats((collate_fn or default_collate)([x for x, _, _ in timed]))[1]
+    med = lambda i: statistics.median(t[i] for t in timed) * 1e3
+    return SampleCost(med(1), med(2), nbytes // len(timed), len(timed))
 
 # %% ../nbs/05b_tune.ipynb #cf083264
 def _local_ranks() -> int:
@@ -65,19 +74,34 @@ def _local_ranks() -> int:
         if dist.is_available() and dist.is_initialized(): n = dist.get_world_size()
     return n
 
-def worker_limits(cost:SampleCost, batch_size:int, max_workers:int|None=None, prefetch:int=4) -> dict:
-    "Most DataLoader workers worth trying, and why: cores per rank, the kind of sample, shared memory"
-    cores, ranks = usable_cores(), _local_ranks()
-    per_rank = cores if cores < (os.cpu_count() or cores) else max(1, cores // ranks)  # affinity already splits
-    cap, why = ((per_rank + 1, f"{per_rank} cores per rank + 1 (CPU-bound samples)") if cost.cpu_bound else
-                (4 * per_rank, f"4 × {per_rank} cores per rank (samples mostly wait)"))
+def _check_local_ranks(local_ranks):
+    if local_ranks is not None and (isinstance(local_ranks, bool) or not isinstance(local_ranks, int)
+                                    or local_ranks < 1):
+        raise ValueError(f"local_ranks={local_ranks!r} must be the whole number of ranks on this machine, e.g. 2")
+
+def _pinned() -> bool:
+    "Whether a launcher pinned this process to fewer cores than its parent may use (its share already divided)"
+    try: return os.sched_getaffinity(0) < os.sched_getaffinity(os.getppid())
+    except (AttributeError, OSError): return False
+
+def worker_limits(cost:SampleCost, batch_size:int, max_workers:int|None=None, prefetch:int=4,
+                  local_ranks:int|None=None) -> dict: # ranks sharing this machine; default: this job's, if launched
+    "Most DataLoader workers worth trying per rank, and why: cores ÷ local ranks, shared memory"
+    _check_local_ranks(local_ranks)
+    cores, ranks = usable_cores(), local_ranks or _local_ranks()
+    split = local_ranks is None and ranks > 1 and _pinned()
+    per_rank = cores if split else max(1, cores // ranks)
+    cap, why = per_rank, (f"{cores} cores, this rank's own" if split else
+                          f"{cores} core{'s' * (cores != 1)} ÷ {plural(ranks, 'local rank')}")
     shm = shutil.disk_usage('/dev/shm').free if os.path.isdir('/dev/shm') else None
     batch_bytes = cost.bytes * batch_size
     if shm and batch_bytes and shm // 2 // (prefetch * batch_bytes) < cap:
         cap = max(1, shm // 2 // (prefetch * batch_bytes))
         why = (f"half of /dev/shm ({fmt_bytes(shm)} free) holds {prefetch} batches of {fmt_bytes(batch_bytes)} "
                "per worker")
-    if max_workers is not None: cap, why = max_workers, "max_workers"
+    if max_workers is not None:
+        over = f" (more than the {per_rank} cores per rank: the workers will take turns)"
+        cap, why = max_workers, f"max_workers={max_workers}" + (over if max_workers > per_rank else '')
     return dict(cores=cores, local_ranks=ranks, cores_per_rank=per_rank, shm_free=shm, batch_bytes=batch_bytes,
                 max_workers=cap, why=why)
 
@@ -132,12 +156,14 @@ def _timed_epochs(dl, trial_s):
     return epochs, skip, time.perf_counter() - t0
 
 # %% ../nbs/05b_tune.ipynb #f7b890d5
-def _steady(epochs, skip):
-    "(batches/s, samples per batch) after the start-up queue, from the longest epoch"
+def _steady(epochs, skip, workers=0):
+    "(batches/s, samples per batch) after the start-up queue, over whole rounds of `workers`, from the longest epoch"
     e = max(epochs, key=lambda e: len(e['t']))
     k = min(skip, len(e['t']) - 2)
-    if k < 0 or e['t'][-1] <= e['t'][k]: return None, sum(e['n']) / len(e['n'])
-    return (len(e['t']) - 1 - k) / (e['t'][-1] - e['t'][k]), sum(e['n'][k + 1:]) / (len(e['t']) - 1 - k)
+    n = len(e['t']) - 1 - k
+    if n > workers > 1: n -= n % workers  # whole rounds: every worker delivered as many batches
+    if k < 0 or e['t'][k + n] <= e['t'][k]: return None, sum(e['n']) / len(e['n'])
+    return n / (e['t'][k + n] - e['t'][k]), sum(e['n'][k + 1:k + 1 + n]) / n
 
 def _epoch_s(epochs, rate, n_batches, persistent):
     "Seconds per epoch: measured when epochs completed, else projected; None when it cannot be told"
@@ -151,7 +177,7 @@ def _epoch_s(epochs, rate, n_batches, persistent):
     if persistent and len(epochs) > 1: t += epochs[1]['t'][0] - e['t'][0]  # later epochs restart instead of starting
     return t, None
 
-# %% ../nbs/05b_tune.ipynb #2cfcdae0
+# %% ../nbs/05b_tune.ipynb #1f454ab9
 def loader_trial(dataset, batch_size:int,
                  trial_s:float=1.0, # about this many seconds (at least 3 steady batches, at most 10 × trial_s)
                  stage:str='',      # label in tune_loader's table
@@ -161,7 +187,7 @@ def loader_trial(dataset, batch_size:int,
         warnings.filterwarnings('ignore', message='.*(worker processes in total|pin_memory).*')
         dl = DataLoader(guard(dataset), batch_size=batch_size, **kwargs)
         epochs, skip, wall = _timed_epochs(dl, trial_s)
-    rate, per_batch = _steady(epochs, skip)
+    rate, per_batch = _steady(epochs, skip, dl.num_workers)
     n_batches = len(dl) if hasattr(dataset, '__len__') else None
     t_epoch, n_epoch = _epoch_s(epochs, rate, n_batches, dl.persistent_workers)
     all_n, all_t = sum(sum(e['n']) for e in epochs), sum(e['t'][-1] for e in epochs)
@@ -175,9 +201,10 @@ def loader_trial(dataset, batch_size:int,
 # %% ../nbs/05b_tune.ipynb #b24396a8
 class _OutOfTime(Exception): pass
 
-def _options(has_acc):
+def _options(has_acc, allow_reorder=False):
     "The settings tried at the best worker count, as (key, value) pairs"
-    return [('prefetch_factor', 4)] + [('pin_memory', True)] * has_acc + [('in_order', False)] * HAS_IN_ORDER
+    reorder = HAS_IN_ORDER and allow_reorder
+    return [('prefetch_factor', 4)] + [('pin_memory', True)] * has_acc + [('in_order', False)] * reorder
 
 def _better(t, best, min_gain): return t.samples_per_s > best.samples_per_s * (1 + min_gain)
 
@@ -196,10 +223,10 @@ def _coarse_fine(run, cap, min_gain):
         if _better(t, best, min_gain) or (m < b and t.samples_per_s >= best.samples_per_s): best = t  # as fast, fewer
     return best
 
-def _smart(run, cap, min_gain, has_acc):
+def _smart(run, cap, min_gain, has_acc, allow_reorder=False):
     best = _coarse_fine(run, cap, min_gain)
     if best.settings['num_workers'] == 0: return best
-    for k, v in _options(has_acc):
+    for k, v in _options(has_acc, allow_reorder):
         t = run({**best.settings, k: v}, 'option')
         if _better(t, best, min_gain):
             best = t
@@ -216,9 +243,9 @@ def _confirm(run, trials, best, min_gain):
     b2, r2 = run(best.settings, 'confirm'), run(rival.settings, 'confirm')
     return r2 if rival.samples_per_s + r2.samples_per_s > best.samples_per_s + b2.samples_per_s else b2
 
-def _grid(run, cap, has_acc):
+def _grid(run, cap, has_acc, allow_reorder=False):
     best = run(dict(num_workers=0), 'baseline')
-    keys = ['persistent_workers'] + [k for k, _ in _options(has_acc)]
+    keys = ['persistent_workers'] + [k for k, _ in _options(has_acc, allow_reorder)]
     choices = dict(persistent_workers=(False, True), prefetch_factor=(2, 4), pin_memory=(False, True),
                    in_order=(True, False))
     for w in range(1, cap + 1):
@@ -246,19 +273,31 @@ def _no_worker_advice(cost, base, trials) -> list:
     return [f"workers cost more than they save: {vs}; keep num_workers=0"]
 
 # %% ../nbs/05b_tune.ipynb #8142c14f
+def _ceiling(cost:SampleCost, cores_per_rank:int) -> float:
+    "Samples/s that `cores_per_rank` cores give at the measured CPU cost per sample"
+    return cores_per_rank * 1e3 / cost.cpu_ms if cost.cpu_ms > 0 else float('inf')
+
+def _limit_advice(cost, per_rank, best) -> str:
+    "The dataset is the limit: the bound and the best, in figures that agree"
+    top, sps = _ceiling(cost, per_rank), best.samples_per_s
+    bound = (f"so {plural(per_rank, 'core')} give at most {top:.0f} samples/s and the best setting gets {sps:.0f} "
+             f"({sps / top:.0%} of it)" if sps <= top else
+             f"so {plural(per_rank, 'core')} would give {top:.0f} samples/s, yet the best setting gets {sps:.0f} "
+             f"({sps / top:.0%} of it: samples cost less in the workers than measured here)")
+    return (f"the dataset itself is the limit: each sample costs {cost.cpu_ms:.2f} ms of CPU (measured), {bound}; "
+            "more workers cannot help: make samples cheaper (decode or pre-process once and cache, lighter "
+            "transforms, augment on the accelerator)")
+
 def _advice(cost, limits, base, best, trials, epoch_batches, bigger=None) -> list:
     "Advice for what settings cannot fix, from the measurements"
     out, w, per_rank = [], best.settings.get('num_workers', 0), limits['cores_per_rank']
-    ceiling = per_rank * 1e3 / cost.cpu_ms if cost.cpu_ms > 0 else float('inf')
-    if cost.cpu_bound and w and best.steady_samples_per_s >= 0.6 * ceiling:
-        out.append(f"the dataset itself is the limit: each sample costs {cost.cpu_ms:.2f} ms of CPU (measured), so "
-                   f"{per_rank} cores give at most {ceiling:.0f} samples/s and the best setting gets "
-                   f"{best.steady_samples_per_s:.0f}; more workers cannot help: make samples cheaper (decode or "
-                   "pre-process once and cache, lighter transforms, augment on the accelerator)")
+    if cost.cpu_bound and w and best.samples_per_s >= 0.6 * _ceiling(cost, per_rank):
+        out.append(_limit_advice(cost, per_rank, best))
     if not cost.cpu_bound and w >= limits['max_workers']:
-        out.append(f"the best setting uses all {w} workers allowed ({limits['why']}) and samples mostly wait "
-                   f"({cost.cpu_ms:.2f} of {cost.wall_ms:.2f} ms is CPU): more workers (max_workers=...) or "
-                   "asynchronous reads may go further")
+        out.append(f"the best setting uses all {plural(w, 'worker')} allowed ({limits['why']}) and samples mostly "
+                   f"wait ({cost.cpu_ms:.2f} of {cost.wall_ms:.2f} ms is CPU): more workers than cores may go further "
+                   f"(tune_loader(..., max_workers={4 * w}) tries them; torch warns about workers beyond the cores), "
+                   "or asynchronous reads")
     if w == 0: out += _no_worker_advice(cost, base, trials)
     if w and epoch_batches and best.settings.get('persistent_workers') and best.restart_s is not None:
         gain = best.first_batch_s - best.restart_s
@@ -271,16 +310,28 @@ def _advice(cost, limits, base, best, trials, epoch_batches, bigger=None) -> lis
         out.append(f"batches of {best.batch_size} are too small to amortise the per-batch overhead: "
                    f"batch_size={bigger.batch_size} gives {bigger.samples_per_s / best.samples_per_s:.1f}× the "
                    "samples/s with the same setting")
+    if best.settings.get('in_order') is False:
+        out.append("in_order=False (allowed by allow_reorder=True) hands out batches as workers finish them: the order "
+                   "of batches changes from run to run, so a resumed run does not see the batches the interrupted one "
+                   "would have; keep in_order=True where exact resume matters")
     return out
 
 # %% ../nbs/05b_tune.ipynb #952d6981
+_SAMPLING = ('shuffle', 'sampler', 'drop_last', 'generator')  # which samples make a batch: the caller's, not in kwargs
+_WORKERS_ONLY = ('multiprocessing_context', 'timeout')  # DataLoader refuses these with num_workers=0
+
+def _loading_kwargs(settings:dict, fixed:dict) -> dict:
+    "DataLoader keyword arguments of a searched setting with the caller's fixed ones (sampling ones left out)"
+    keep = lambda k: k not in _SAMPLING and (settings.get('num_workers') or k not in _WORKERS_ONLY)
+    return {**settings, **{k: v for k, v in fixed.items() if keep(k)}}
+
 _COLORS = dict(baseline='tab:gray', coarse='tab:blue', fine='tab:cyan', option='tab:green', confirm='tab:olive',
                grid='tab:blue', batch='tab:purple')
 
 @dataclass
 class TuneResult:
     "The fastest DataLoader setting found, every trial, and advice"
-    kwargs: dict         # DataLoader keyword arguments of the best setting (batch_size and your fixed ones included)
+    kwargs: dict         # how to load (best setting, your fixed arguments): for DataLoader and distributed_loader
     best: LoaderTrial
     baseline: LoaderTrial  # num_workers=0
     trials: list
@@ -290,21 +341,41 @@ class TuneResult:
     wall_s: float
     search: str = 'smart'
     stopped: str|None = None  # why the search ended early (time budget)
+    batch_size: int|None = None  # samples per batch the trials used (per rank)
+    sampling: dict = field(default_factory=dict)  # your shuffle, sampler, drop_last, generator: used, not in kwargs
+    allow_reorder: bool = False  # whether in_order=False was tried
+    fixed: dict = field(default_factory=dict)  # your other DataLoader arguments (collate_fn, timeout ...)
 
     @property
     def speedup(self) -> float: return self.best.samples_per_s / self.baseline.samples_per_s
+    def kwargs_for(self, trial:LoaderTrial) -> dict:
+        "The `kwargs` had `trial` won: its settings with your fixed arguments (e.g. a row with fewer workers)"
+        return _loading_kwargs(trial.settings, self.fixed)
+    @property
+    def ceiling(self) -> float:
+        "Samples/s the cores per rank give at the measured CPU time per sample (inf for a sample of no CPU time)"
+        return _ceiling(self.cost, self.limits['cores_per_rank'])
 
     def rows(self):
         b, stopped = self.best, f"; stopped early: {self.stopped}" if self.stopped else ''
         return [('best', f"{fmt_settings(b.settings)}: {b.samples_per_s:.0f} samples/s, {self.speedup:.2f}× "
                          f"num_workers=0 ({self.baseline.samples_per_s:.0f})"),
                 ('kwargs', ', '.join(f"{k}={v!r}" for k, v in self.kwargs.items())),
+                ('batches', ', '.join(f"{k}={v!r}" for k, v in {'batch_size': self.batch_size, **self.sampling}.items())
+                            + " (yours to give: not in kwargs)"),
                 ('sample', str(self.cost)),
-                ('limits', f"up to {self.limits['max_workers']} workers: {self.limits['why']}"),
-                ('search', f"{len(self.trials)} trials in {self.wall_s:.1f} s ({self.search}){stopped}")
+                ('limits', f"up to {plural(self.limits['max_workers'], 'worker')} per rank: {self.limits['why']}"),
+                ('search', f"{len(self.trials)} trials in {self.wall_s:.1f} s ({self.search}){stopped}"
+                           + ('' if self.allow_reorder or not HAS_IN_ORDER else
+                              "; in_order=False not tried: it changes the order of batches from run to run, which "
+                              "exact resume needs (allow_reorder=True tries it)"))
                ] + [('advice', a) for a in self.advice]
 
-    def to_dict(self): return {**asdict(self), 'speedup': self.speedup}
+    def to_dict(self):
+        simple = lambda v: isinstance(v, (bool, int, float, str, type(None)))
+        plain = lambda d: {k: v if simple(v) else repr(v) for k, v in d.items()}
+        return {**asdict(self), 'kwargs': plain(self.kwargs), 'sampling': plain(self.sampling),
+                'fixed': plain(self.fixed), 'speedup': self.speedup, 'ceiling': self.ceiling}
     def _trials(self, table): return table(_TRIAL_COLS, [t.row() for t in self.trials])
     def _repr_markdown_(self): return md_table(('tune_loader', ''), self.rows()) + '\n\n' + self._trials(md_table)
     def __str__(self): return '\n'.join(f"{k:>8}: {v}" for k, v in self.rows()) + '\n\n' + self._trials(text_table)
@@ -344,26 +415,31 @@ def tune_loader(dataset,                       # map-style or iterable Dataset
                 time_budget:float|None=None,   # stop searching after this many seconds, keeping the best so far
                 min_gain:float=0.05,           # a setting must beat the best by this fraction to replace it
                 search:str='smart',            # 'smart' (coarse to fine) or 'grid' (every combination)
+                local_ranks:int|None=None,     # ranks sharing this machine's cores; default: this job's (1 outside one)
+                allow_reorder:bool=False,      # also try in_order=False (batch order then varies: no exact resume)
                 progress:bool|None=None,       # progress bar; default: in a notebook or a terminal
                 **loader_kwargs) -> TuneResult: # other DataLoader arguments, used in every trial
     "Find the fastest DataLoader setting for `dataset` and `batch_size` (other DataLoader arguments in `loader_kwargs`)"
     _check_tune_args(dataset, batch_size, loader_kwargs, search)
     t_start = time.perf_counter()
+    _check_local_ranks(local_ranks)
     cost = measure_sample_cost(dataset, collate_fn=loader_kwargs.get('collate_fn'))  # fails fast, in this process
-    limits = worker_limits(cost, batch_size, max_workers)
+    limits = worker_limits(cost, batch_size, max_workers, local_ranks=local_ranks)
     has_acc = accelerators()[0] is not None  # asked without initialising CUDA (a forked rank could not use it)
+    sampling = {k: v for k, v in loader_kwargs.items() if k in _SAMPLING}
     trials, bar = [], progress_bar(desc='tune_loader', enable=progress)
     def run(settings, stage, bs=batch_size):
         if trials and time_budget is not None and time.perf_counter() - t_start > time_budget:
             raise _OutOfTime(f"time_budget={time_budget} s")
-        t = loader_trial(dataset, bs, trial_s, stage, **settings, **loader_kwargs); trials.append(t)
+        kw = {**_loading_kwargs(settings, loader_kwargs), **sampling}
+        t = loader_trial(dataset, bs, trial_s, stage, **kw); trials.append(t)
         if bar is not None: bar.update(); bar.set_postfix_str(f"{fmt_settings(settings)}: {t.samples_per_s:.0f}/s")
         return t
     stopped = None
     try:
         if search == 'smart':
-            best = _confirm(run, trials, _smart(run, limits['max_workers'], min_gain, has_acc), min_gain)
-        else: best = _grid(run, limits['max_workers'], has_acc)
+            best = _confirm(run, trials, _smart(run, limits['max_workers'], min_gain, has_acc, allow_reorder), min_gain)
+        else: best = _grid(run, limits['max_workers'], has_acc, allow_reorder)
     except _OutOfTime as e: stopped, best = str(e), max(trials, key=lambda t: t.samples_per_s)
     bigger, sized = None, not hasattr(dataset, '__len__') or len(dataset) >= 8 * batch_size
     if not stopped and best.steady_samples_per_s / batch_size > 100 and sized:
@@ -372,9 +448,10 @@ def tune_loader(dataset,                       # map-style or iterable Dataset
     if bar is not None: bar.close()
     epoch_batches = math.ceil(len(dataset) / batch_size) if hasattr(dataset, '__len__') else None
     adv = _advice(cost, limits, trials[0], best, trials, epoch_batches, bigger)
-    kwargs = dict(batch_size=batch_size, **best.settings, **loader_kwargs)
     wall = time.perf_counter() - t_start
-    return TuneResult(kwargs, best, trials[0], trials, cost, limits, adv, wall, search, stopped)
+    fixed = {k: v for k, v in loader_kwargs.items() if k not in _SAMPLING}
+    return TuneResult(_loading_kwargs(best.settings, fixed), best, trials[0], trials, cost, limits, adv, wall, search,
+                      stopped, batch_size, sampling, allow_reorder, fixed)
 
 # %% ../nbs/05b_tune.ipynb #fc5d47de
 @dataclass
@@ -429,7 +506,8 @@ def loader_report(dataset=None,             # default: the CPU-bound synthetic s
     loader = DataLoader(dataset, batch_size=batch_size, **loader_kwargs)
     before = input_bound(train_step, loader, n_steps, warmup=2, device=device, progress=progress)
     tuning = tune_loader(dataset, batch_size, trial_s=0.3 if quick else 1.0, progress=progress, **fixed)
-    after = input_bound(train_step, DataLoader(dataset, **tuning.kwargs), n_steps, device=device, progress=progress)
+    tuned = DataLoader(dataset, batch_size=batch_size, **tuning.sampling, **tuning.kwargs)
+    after = input_bound(train_step, tuned, n_steps, device=device, progress=progress)
     return LoaderReport(before, tuning, after, {k: v for k, v in loader_kwargs.items() if k in _SEARCHED})
 
 

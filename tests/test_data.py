@@ -50,8 +50,9 @@ def test_tuner_beats_no_workers_on_cpu_bound_set():
 
 def test_tuner_beats_no_workers_more_on_io_like_set():
     ds = SyntheticDataset(2048, cost_ms=2, mode='sleep')
-    res = tune_loader(ds, 16, trial_s=0.5)
-    assert res.best.settings['num_workers'] > res.limits['cores_per_rank'], res  # waiting samples use more workers than cores
+    cores = worker_limits(measure_sample_cost(ds), 16)['cores_per_rank']
+    res = tune_loader(ds, 16, trial_s=0.5, max_workers=4 * cores)  # beyond the cores only when asked
+    assert res.best.settings['num_workers'] > cores, res  # waiting samples use more workers than cores
     zero, tuned = side_by_side(ds, 16, res.best.settings, trial_s=0.6)
     assert tuned >= 3 * zero, f"tuned {res.best.settings}: {tuned:.0f} vs {zero:.0f} samples/s ({tuned / zero:.2f}×)\n{res}"
 
@@ -212,4 +213,46 @@ def test_spawn_without_persistent_workers_is_advised():
     p = profile_loader(loader, n_batches=8)
     assert p.settings['start_method'] == 'spawn' and p.first_batch_s > 0.3, p
     assert any('1 spawn worker afresh' in a and 'persistent_workers=True' in a for a in p.advice), p.advice
+    assert children() == []
+
+
+# --- tuned settings that compose: per-rank workers, kwargs for DataLoader and distributed_loader, the order kept -------
+
+def _epoch_labels(options, global_batch_size):
+    "For each kwargs in `options`: the labels (sample indices) of this rank's share of an epoch, through distributed_loader"
+    import torch.distributed as dist
+    from dtnb.ddp import distributed_loader
+    ds = SyntheticDataset(48, cost_ms=0, shape=(1,), n_classes=48)  # label = index
+    labels = [[int(l) for _, ys in distributed_loader(ds, global_batch_size=global_batch_size, **kw) for l in ys]
+              for kw in options]
+    lim = worker_limits(measure_sample_cost(SyntheticDataset(4, cost_ms=0)), 8)  # local ranks from the launcher
+    return labels, lim['local_ranks'], lim['max_workers'], dist.get_world_size()
+
+
+def test_tuned_kwargs_compose_with_distributed_loader_and_dataloader():
+    ds = SyntheticDataset(48, cost_ms=1, mode='sleep', shape=(1,), n_classes=48)  # label = index
+    cores = worker_limits(measure_sample_cost(SyntheticDataset(4, cost_ms=0)), 8)['cores']
+    two = tune_loader(ds, 8, trial_s=0.05, local_ranks=2, progress=False)  # tuned before launching 2 ranks
+    assert two.limits['local_ranks'] == 2 and two.limits['max_workers'] == max(1, cores // 2), two.limits
+    res = tune_loader(ds, 8, trial_s=0.05, progress=False, shuffle=True, timeout=60)  # one rank
+    for r, cap in ((two, max(1, cores // 2)), (res, cores)):
+        assert all(t.settings['num_workers'] <= cap for t in r.trials), r  # each rank's share of the cores
+        assert not any(t.settings.get('in_order') is False for t in r.trials), r  # allow_reorder=False: order kept
+    # the kwargs it returned, and those it would have returned had another row won (whatever this machine's load made
+    # of the contest, some rows have workers): each goes unmodified into DataLoader and distributed_loader
+    options = list({repr(kw): kw for kw in [res.kwargs] + [res.kwargs_for(t) for t in res.trials]}.values())
+    assert any(kw['num_workers'] for kw in options), options
+    assert all(kw.get('timeout') == (60 if kw['num_workers'] else None) for kw in options), options  # workers only
+    assert not any({'batch_size', 'shuffle', 'sampler', 'drop_last'} & set(kw) for kw in options), options
+    assert (res.batch_size, res.sampling) == (8, dict(shuffle=True))
+    fast = SyntheticDataset(48, cost_ms=0, shape=(1,), n_classes=48)
+    for kw in options:
+        dl = DataLoader(fast, batch_size=8, **kw)  # one process
+        assert [int(l) for _, ys in dl for l in ys] == list(range(48)), kw
+        del dl  # its workers stop with it
+    (l0, ranks0, cap0, ws0), (l1, ranks1, cap1, ws1) = launch(_epoch_labels, options, 16, nprocs=2, timeout=120)
+    for a, b in zip(l0, l1):  # every sample once across the ranks, half each
+        assert sorted(a + b) == list(range(48)) and len(a) == len(b) == 24
+    assert (ranks0, ranks1, ws0, ws1) == (2, 2, 2, 2)
+    assert cap0 == cap1 == max(1, cores // 2)  # inside the ranks, the same share as tuned from outside
     assert children() == []
