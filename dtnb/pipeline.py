@@ -38,7 +38,7 @@ def _timed_stage_class():
         def backward_weight_one_chunk(self, bwd_chunk_id, *a, **k):
             return self._timed('W', bwd_chunk_id, super().backward_weight_one_chunk, bwd_chunk_id, *a, **k)
     for name in ('_forward_metadata_inference', '_shape_inference'):  # torch's trial forward, by version
-        if hasattr(PipelineStage, name): setattr(TimedStage, name, _keep_buffers(getattr(PipelineStage, name)))
+        if hasattr(TimedStage, name): setattr(TimedStage, name, _keep_buffers(getattr(TimedStage, name)))
     return TimedStage
 
 def _keep_buffers(trial):
