@@ -118,6 +118,33 @@ def _shapes(sd:dict) -> dict:
         for kind, d in part.items(): out.setdefault(kind, {}).update(d)
     return out
 
+# %% ../nbs/04a_checkpoint.ipynb #b3bd8c2f
+def _is_dtensor(t): return type(t).__name__ == 'DTensor'
+
+def _live_buffers(model) -> dict:
+    "{state-dict key: tensor} of the buffers `model` holds whole on this rank (not sharded), aliasing them"
+    m = _module(model)
+    held = {b.data_ptr() for b in m.buffers() if b.numel() and not _is_dtensor(b)}
+    sd, _ = state_dicts(model)
+    return {k: v for k, v in sd['model'].items()
+            if isinstance(v, torch.Tensor) and not _is_dtensor(v) and v.numel() and v.data_ptr() in held}
+
+def _rank0_buffers(model, sd:dict) -> dict:
+    "Put rank 0's value of every buffer all ranks hold into `sd` (copies); return this rank's own that differ"
+    d = dist_or_none()
+    if d is None or d.get_world_size() == 1: return {}
+    mine = {k: (list(v.shape), str(v.dtype)) for k, v in _live_buffers(model).items() if k in sd['model']}
+    parts = all_gather_objects(mine)
+    own = {}
+    for k in sorted(mine):
+        if any(p.get(k) != mine[k] for p in parts): continue  # not on every rank alike (pipeline stages)
+        v = sd['model'][k]
+        t = v.detach().clone()
+        d.broadcast(t, 0)
+        if not torch.equal(t, v): own[k] = v.detach().cpu().clone()
+        sd['model'][k] = t
+    return own
+
 # %% ../nbs/04a_checkpoint.ipynb #c027
 def _crc(path) -> int:
     "CRC32 of a file"
@@ -255,6 +282,7 @@ def save_checkpoint(path,                        # directory to create, e.g. che
         raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint, or None for all")
     r, ws = rank_world()
     sd, _ = state_dicts(model, optimizer)
+    own = _rank0_buffers(model, sd)  # the checkpoint holds rank 0's buffers, each rank file this rank's own
     meta = dict(format=FORMAT, version=VERSION, step=int(step), world_size=ws, saved_at=time.time(),
                 torch=torch.__version__,
                 **{k: v for k, v in _shapes(sd).items()}, extra=sorted(extra))
@@ -264,8 +292,8 @@ def save_checkpoint(path,                        # directory to create, e.g. che
                                           f"every rank", ValueError)
     tmp = path.with_name(f"{path.name}.tmp-{token}")
     tmp.mkdir(parents=True, exist_ok=True)
-    _write_pt(dict(rank=r, world_size=ws, rng=rng_state(), data=loader.state_dict() if loader is not None else None),
-              tmp / _rank_file(r))
+    _write_pt(dict(rank=r, world_size=ws, rng=rng_state(), buffers=own,
+                   data=loader.state_dict() if loader is not None else None), tmp / _rank_file(r))
     if r == 0: _write_pt(extra, tmp / 'extra.pt')
     writer = dcp.FileSystemWriter(str(tmp))
     if async_save:

@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/ddp.html.md"""
 
 # %% ../nbs/02_ddp.ipynb #65f7cdb5
 from __future__ import annotations
-import importlib
+import importlib, warnings
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -14,7 +14,8 @@ from .launcher import rank as _rank, world_size, current_device
 from .utils import require_group
 
 # %% auto #0
-__all__ = ['STRATEGIES', 'DistributedLoader', 'distributed_loader', 'wrap', 'apply_single', 'apply_ddp']
+__all__ = ['SYNC_BATCHNORM_DEVICES', 'STRATEGIES', 'DistributedLoader', 'distributed_loader', 'batchnorm_layers',
+           'prepare_batchnorm', 'wrap', 'apply_single', 'apply_ddp']
 
 # %% ../nbs/02_ddp.ipynb #29e9eced
 class DistributedLoader:
@@ -67,6 +68,50 @@ def distributed_loader(dataset:Dataset,
     loader = DataLoader(dataset, batch_size=b, sampler=sampler, drop_last=drop_last, **dataloader_kwargs)
     return DistributedLoader(loader, b * ws)
 
+# %% ../nbs/02_ddp.ipynb #f625d657
+SYNC_BATCHNORM_DEVICES = ('cuda', 'xpu', 'hpu')  # device types torch's SyncBatchNorm runs on
+_BN_WARNED = set()
+
+def batchnorm_layers(model:nn.Module) -> list[str]:
+    "Names of `model`'s BatchNorm layers that normalise with the statistics of the batch one process sees"
+    return [n for n, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)]
+
+def _bn_text(names):
+    return f"{len(names)} BatchNorm layer(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+
+# %% ../nbs/02_ddp.ipynb #f4d2daf7
+def _sync_bn(model, names, dev):
+    "convert_sync_batchnorm where torch supports it; elsewhere a clear error with the options"
+    if dev.type not in SYNC_BATCHNORM_DEVICES:
+        raise ValueError(
+            f"sync_batchnorm=True: torch's SyncBatchNorm runs only on GPUs ({', '.join(SYNC_BATCHNORM_DEVICES)}), "
+            f"and this rank's device is {dev.type}. The model has {_bn_text(names)}. Options: (1) drop "
+            "sync_batchnorm and accept per-rank statistics (each rank normalises its own share of the batch); "
+            "(2) replace BatchNorm with GroupNorm or LayerNorm, which match one process exactly; (3) run on GPUs")
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+def prepare_batchnorm(model:nn.Module, strategy:str, options:dict) -> nn.Module:
+    "Say what `strategy` does to `model`'s BatchNorm layers (once, rank 0), or convert them (`sync_batchnorm=True`)"
+    sync, names = options.pop('sync_batchnorm', False), batchnorm_layers(model)
+    if not names or strategy == 'single': return model
+    if strategy == 'pipeline':
+        if sync: raise ValueError("sync_batchnorm=True synchronises data-parallel ranks; a pipeline has none: "
+                                  "each micro-batch is normalised with its own statistics")
+        why = "normalise each micro-batch with its own statistics and update running statistics once per micro-batch"
+    else:
+        dev = torch.device(options['device']) if options.get('device') is not None else current_device()
+        if sync: return _sync_bn(model, names, dev)
+        why = ("normalise each rank's batch with that rank's own statistics and keep running statistics per rank "
+               "(DDP copies rank 0's to all ranks before each forward; checkpoints keep rank 0's)")
+        if world_size() == 1: return model
+    if _rank() == 0 and (key := (strategy, type(model).__qualname__)) not in _BN_WARNED:
+        _BN_WARNED.add(key)
+        warnings.warn(f"wrap(model, {strategy!r}): {_bn_text(names)} {why}, so training differs from one process "
+                      "on the whole batch. To match it: sync_batchnorm=True (GPUs), or GroupNorm/LayerNorm",
+                      stacklevel=3)
+    return model
+
 # %% ../nbs/02_ddp.ipynb #0ca1562e
 STRATEGIES = {  # name: 'module:function' applying it
     'single': 'dtnb.ddp:apply_single',
@@ -79,6 +124,7 @@ def wrap(model:nn.Module, strategy:str='ddp', **options) -> nn.Module:
     "Apply a parallel `strategy` (a name in `STRATEGIES`) to `model` from the outside; returns the model to train"
     if strategy not in STRATEGIES:
         raise ValueError(f"Unknown strategy {strategy!r}: choose one of {', '.join(map(repr, STRATEGIES))}")
+    model = prepare_batchnorm(model, strategy, options)  # pops sync_batchnorm=; warns about per-rank statistics
     mod, fn = STRATEGIES[strategy].split(':')
     return getattr(importlib.import_module(mod), fn)(model, **options)
 

@@ -6,16 +6,17 @@ Docs: https://dtnb-dev.github.io/dtnb/fsdp.html.md"""
 
 # %% ../nbs/02a_fsdp.ipynb #fc8a29a8
 from __future__ import annotations
-import weakref
+import weakref, warnings
 from dataclasses import dataclass, asdict
 import torch
 from torch import nn
 from .utils import md_table, text_table, accelerator_type, require_group, shard_numel, as_dtype
-from .launcher import world_size, current_device
+from .launcher import world_size, current_device, rank
 from .models import find_blocks
 
 # %% auto #0
-__all__ = ['shard_units', 'ShardPlan', 'plan_fsdp', 'check_optimizer', 'apply_fsdp', 'state_bytes', 'full_state_dict']
+__all__ = ['size_groups', 'shard_units', 'ShardPlan', 'plan_fsdp', 'check_optimizer', 'apply_fsdp', 'state_bytes',
+           'full_state_dict']
 
 # %% ../nbs/02a_fsdp.ipynb #79b069ef
 def _holds_params(m): return next(m.parameters(), None) is not None
@@ -33,9 +34,45 @@ def _candidates(model):
     o = ', '.join(f"{k} ({v})" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]) if v >= 2)
     return f"candidate block classes found: {b or 'none'}" + (f"; other repeated classes: {o}" if o else '')
 
+def _numel(m): return sum(p.numel() for p in m.parameters())
+
+def _pieces(m, prefix, target):
+    "(name, parameters) of `m`'s descendants in module order: each child at most `target`, or a single layer"
+    for n, c in m.named_children():
+        name, k = prefix + n, _numel(c)
+        if not k: continue
+        if k <= target or not any(_holds_params(x) for x in c.children()): yield name, k
+        else: yield from _pieces(c, name + '.', target)
+
+def size_groups(model:nn.Module, units:int=8) -> list:
+    "Consecutive modules grouped into about `units` units by parameter count: names, or tuples of names, last first"
+    target = max(1, _numel(model) // units)
+    groups, cur, size = [], [], 0
+    for name, k in _pieces(model, '', target):
+        if cur and size + k > target and size >= target / 2: groups.append(cur); cur, size = [], 0
+        cur.append(name); size += k
+        if size >= target: groups.append(cur); cur, size = [], 0
+    if cur: groups.append(cur)
+    return [g[0] if len(g) == 1 else tuple(g) for g in groups][::-1]
+
+def _fallback(model, blocks) -> list:
+    "No blocks, or only single layers: warn (rank 0) and shard consecutive modules grouped by size instead"
+    groups = size_groups(model)
+    if groups and rank() == 0:
+        few = ', '.join(blocks[:4]) + (' ...' if len(blocks) > 4 else '')
+        found = f"only single layers ({few})" if blocks else 'no repeated blocks'
+        warnings.warn(f"find_blocks found {found} in {type(model).__name__} ({_candidates(model)}): FSDP shards "
+                      f"{len(groups)} groups of consecutive modules of about {_numel(model) // 8:,} parameters each "
+                      "instead. Pass layer_cls= to name the block class", stacklevel=3)
+    return groups
+
 def shard_units(model:nn.Module, layer_cls=None) -> list:
     "Names of the submodules to shard as units, innermost first; `layer_cls`: class(es) or name(s), default: blocks"
-    if layer_cls is None: cls = tuple({type(model.get_submodule(n)) for n in find_blocks(model)})
+    if layer_cls is None:
+        blocks = find_blocks(model)
+        if all(not any(_holds_params(c) for c in model.get_submodule(b).children()) for b in blocks):
+            return _fallback(model, blocks)  # no blocks (all() of nothing), or single layers only
+        cls = tuple({type(model.get_submodule(n)) for n in blocks})
     else: cls = tuple(layer_cls) if isinstance(layer_cls, (list, tuple, set)) else (layer_cls,)
     names = find_blocks(model, cls, nested=True)  # every module of those classes, blocks inside blocks included
     if layer_cls is not None:
@@ -73,10 +110,12 @@ def plan_fsdp(model:nn.Module, layer_cls=None, mesh:tuple|None=None) -> ShardPla
     replicate, shard = mesh or (1, world_size())
     units, seen = [], set()
     for name in shard_units(model, layer_cls) + ['']:
-        m = model.get_submodule(name)
-        ps = [p for p in m.parameters() if id(p) not in seen]
+        ms = [model.get_submodule(n) for n in name] if isinstance(name, tuple) else [model.get_submodule(name)]
+        ps = [p for m in ms for p in m.parameters() if id(p) not in seen]
         seen.update(map(id, ps))
-        units.append((name or '(root)', type(m).__name__, sum(p.numel() for p in ps),
+        label, cls = (f"{name[0]} .. {name[-1]}", f"{len(ms)} modules") if isinstance(name, tuple) else (
+            name or '(root)', type(ms[0]).__name__)
+        units.append((label, cls, sum(p.numel() for p in ps),
                       sum(p.numel() * p.element_size() for p in ps),
                       sum(shard_numel(p.shape, shard) * p.element_size() for p in ps)))
     return ShardPlan(units, replicate, shard)
@@ -201,7 +240,9 @@ def apply_fsdp(model:nn.Module,
               mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
     units = shard_units(model, layer_cls)
     before = list(model.parameters())
-    for name in units: fully_shard(model.get_submodule(name), **kw)
+    for name in units:  # a name, or a tuple of consecutive modules sharded as one unit
+        mods = [model.get_submodule(n) for n in name] if isinstance(name, tuple) else model.get_submodule(name)
+        fully_shard(mods, **kw)
     fully_shard(model, **kw)
     if meta: _materialize(model, 'cpu' if cpu_offload else dev, init)
     _track_replaced(before, model)

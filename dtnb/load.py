@@ -15,6 +15,7 @@ from .resume import set_rng_state
 from .checkpoint import (MARKER, CheckpointError, dist_or_none, rank_world, all_gather_objects, quiet, state_dicts,
                              read_marker, list_checkpoints, latest_checkpoint)
 from .checkpoint import _crc, _load_pt, _rank_file, _wait_pending, _set_state, _shapes, _looks_like_checkpoint
+from .checkpoint import _live_buffers
 
 # %% auto #0
 __all__ = ['check_metadata', 'safe_dcp', 'mismatch', 'verify_checkpoint', 'resolve', 'Checkpoint', 'load_checkpoint']
@@ -168,6 +169,14 @@ class Checkpoint:
     def __str__(self): return text_table(('', ''), self._rows())
 
 # %% ../nbs/04b_load.ipynb #595f7c94
+@torch.no_grad()
+def _restore_buffers(model, own:dict):
+    "Put back this rank's own buffers (those that differed from rank 0's when saved) into `model`"
+    live = _live_buffers(model)
+    for k, v in own.items():
+        if k in live: live[k].copy_(v)
+
+# %% ../nbs/04b_load.ipynb #f9ca7b9d
 def load_checkpoint(path,                     # a checkpoint directory, or a directory of them (then its newest one)
                     model,                    # the same model, built the same way (any strategy, any number of ranks)
                     optimizer:torch.optim.Optimizer|None=None,
@@ -191,6 +200,7 @@ def load_checkpoint(path,                     # a checkpoint directory, or a dir
     same = ws == meta['world_size']
     mine = _load_pt(path / _rank_file(r if r < meta['world_size'] else 0))
     if rng and same: set_rng_state(mine['rng'])
+    if same and mine.get('buffers'): _restore_buffers(model, mine['buffers'])
     if loader is not None:
         if mine['data'] is None: raise CheckpointError(f"{path} holds no data position (it was saved without loader=)")
         if not callable(getattr(loader, 'load_state_dict', None)):

@@ -108,15 +108,18 @@ def _is_cls(m, layer_cls) -> bool:
         elif isinstance(m, c): return True
     return False
 
+def _torch_layer(cls) -> bool: return cls.__module__.startswith('torch.nn.')
+
 def _stacked(model) -> set:
-    "Names of parameterised members of a ModuleList/Sequential whose class repeats there"
+    "Parameterised members of a ModuleList/Sequential whose class repeats there, or attributes of a repeated own class"
     out = set()
     for name, m in model.named_modules():
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)): continue
+        stack = isinstance(m, (nn.ModuleList, nn.Sequential))
         by_cls = {}
         for child_name, c in m.named_children(): by_cls.setdefault(type(c), []).append((child_name, c))
         for cls, kids in by_cls.items():
             if len(kids) < 2 or issubclass(cls, (nn.ModuleList, nn.Sequential)): continue
+            if not stack and _torch_layer(cls): continue  # self.q, self.k, self.v: layers, not blocks
             out.update(f"{name}.{k}" if name else k for k, c in kids if _holds_params(c))
     return out
 

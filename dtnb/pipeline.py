@@ -37,7 +37,20 @@ def _timed_stage_class():
             return self._timed('B' if full else 'I', bwd_chunk_id, super().backward_one_chunk, bwd_chunk_id, *a, **k)
         def backward_weight_one_chunk(self, bwd_chunk_id, *a, **k):
             return self._timed('W', bwd_chunk_id, super().backward_weight_one_chunk, bwd_chunk_id, *a, **k)
+    for name in ('_forward_metadata_inference', '_shape_inference'):  # torch's trial forward, by version
+        if hasattr(TimedStage, name): setattr(TimedStage, name, _keep_buffers(getattr(TimedStage, name)))
     return TimedStage
+
+def _keep_buffers(trial):
+    "Run torch's trial forward (shape inference, on empty tensors) on copies of the stage's buffers"
+    @functools.wraps(trial)
+    def run(self, *a, **k):
+        held = [(m._buffers, n, b) for m in self.submod.modules() for n, b in m._buffers.items() if b is not None]
+        for bufs, n, b in held: bufs[n] = b.clone()  # BatchNorm's running statistics, its count of batches
+        try: return trial(self, *a, **k)
+        finally:
+            for bufs, n, b in held: bufs[n] = b  # the originals, untouched (the trial's graph keeps the copies)
+    return run
 
 _COMPUTE = ('F', 'B', 'I', 'W')  # forward, full backward, backward to the inputs, backward to the weights
 

@@ -19,3 +19,17 @@ def make_dataset(n:int=256):
     "A map-style dataset of (image, label) samples for `--dataset models_cnn:make_dataset`"
     x, y = make_batch()
     return torch.utils.data.TensorDataset(x.repeat(n // 32, 1, 1, 1), y.repeat(n // 32))
+
+
+def tiny_cnn(classes:int=10, seed:int=0) -> nn.Module:
+    "Two Conv-BatchNorm-ReLU layers and a classifier for 3x8x8 inputs: the BatchNorm CNN of the fast tests"
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, classes))
+
+
+def tiny_images(n:int=64, classes:int=10, seed:int=0):
+    "A TensorDataset of `n` random 3x8x8 images and labels"
+    g = torch.Generator().manual_seed(seed)
+    return torch.utils.data.TensorDataset(torch.randn(n, 3, 8, 8, generator=g), torch.randint(classes, (n,), generator=g))
