@@ -75,8 +75,8 @@ def _check_loss_fn(loss_fn):
     if not callable(loss_fn):
         raise ValueError(f"loss_fn={loss_fn!r}: a pipeline computes the loss on its last stage from the model's output "
                          "and the targets: pass loss_fn(output, targets), e.g. causal_lm_loss for a Hugging Face "
-                         "causal LM. A model's own loss (model(input_ids, labels=...).loss) needs the labels inside its "
-                         "forward, which the pipeline cuts into stages")
+                         "causal LM. A model's own loss (model(input_ids, labels=...).loss) needs the labels inside "
+                         "its forward, which the pipeline cuts into stages")
 
 def _batch(inputs, targets):
     "(inputs, targets) from `step`'s arguments: a dict batch gives its 'input_ids' and 'labels'"
