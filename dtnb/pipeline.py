@@ -291,8 +291,8 @@ def pipeline_stages(model:nn.Module, n_stages=None, split_points=None, schedule:
     if example is None: raise ValueError("trace=True traces the model on one microbatch: pass example=")
     if SCHEDULES[name][1] == 'two (V)':  # torch 2.13: traced stages on one rank cannot pass activations locally
         raise ValueError(f"{type(model).__name__} is not a chain of units, so torch's tracer cuts it, and traced "
-                         f"stages cannot run the V-shaped schedule {name!r} (neighbouring stages on one rank): use one of "
-                         f"{', '.join(k for k, v in SCHEDULES.items() if v[1] != 'two (V)')}")
+                         f"stages cannot run the V-shaped schedule {name!r} (neighbouring stages on one rank): use "
+                         f"one of {', '.join(k for k, v in SCHEDULES.items() if v[1] != 'two (V)')}")
     split = trace_stages(model, split, example)  # torch's tracer, cut where dtnb's split says
     return split, mine, [split.trace.pipe.get_stage_module(s) for s in mine]
 
