@@ -69,7 +69,8 @@ def traced_vs_hand(a, m=4):
     with torch.no_grad(): pipe = pipeline(gpt2(a), (mb,), split_spec={point: SplitPoint.BEGINNING})
     rank, last = dist.get_rank(), dist.get_world_size() - 1
     stage = pipe.build_stage(rank, torch.device('cpu'))
-    hand = ScheduleGPipe(stage, n_microbatches=m, loss_fn=lambda out, y: causal_lm_loss(out[0], y))
+    logits = lambda out: out[0] if isinstance(out, tuple) else out  # what the traced last stage returns
+    hand = ScheduleGPipe(stage, n_microbatches=m, loss_fn=lambda out, y: causal_lm_loss(logits(out), y))
     opts = [torch.optim.AdamW(ours.parameters(), lr=1e-4), torch.optim.AdamW(stage.submod.parameters(), lr=1e-4)]
     def step_ours(): return ours.step(ids, ids).item()
     def step_hand():
