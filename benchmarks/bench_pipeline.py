@@ -105,8 +105,8 @@ def traced_table(a):
     try: import transformers  # noqa: F401  (once, before the ranks fork)
     except ImportError: return print("transformers is not installed: no traced GPT-2 comparison")
     (ours, hand), (l_ours, l_hand), point = launch(traced_vs_hand, a, nprocs=2, threads=1)[-1]
-    print(f"\nGPT-2 (not a chain: traced), {a.gpt2_layers} layers, d={a.gpt2_d}, batch {a.gpt2_batch} x {a.seq} tokens, "
-          f"gpipe, 4 microbatches, 2 ranks cut before {point}; medians of {a.steps} alternating steps")
+    print(f"\nGPT-2 (not a chain: traced), {a.gpt2_layers} layers, d={a.gpt2_d}, batch {a.gpt2_batch} x {a.seq} "
+          f"tokens, gpipe, 4 microbatches, 2 ranks cut before {point}; medians of {a.steps} alternating steps")
     print(f"{'dtnb apply_pipeline ms':>24}{'torch by hand ms':>18}{'ratio (hand / dtnb)':>22}{'same losses':>13}")
     same = max(abs(x - y) for x, y in zip(l_ours, l_hand)) < 1e-5
     print(f"{ours * 1e3:>24.1f}{hand * 1e3:>18.1f}{hand / ours:>22.3f}{str(same):>13}")
