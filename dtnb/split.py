@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/split.html.md"""
 
 # %% ../nbs/02b_split.ipynb #36946b71
 from __future__ import annotations
-import copy, time
+import copy, time, contextlib
 from dataclasses import dataclass, field
 import torch
 from torch import nn
@@ -315,6 +315,16 @@ def _annotated_trace(model, points, example):
     finally:
         for n in points: model.get_submodule(n).__dict__.pop('forward', None)
 
+@contextlib.contextmanager
+def _no_cache(model):
+    "A Hugging Face model with `config.use_cache=False`: training needs no key-value cache, and the cache won't trace"
+    cfg = getattr(model, 'config', None)
+    cache = getattr(cfg, 'use_cache', False)
+    if cache: cfg.use_cache = False
+    try: yield
+    finally:
+        if cache: cfg.use_cache = cache
+
 def _point_aliases(model, pipe, copies):
     "Point every name of a tied parameter in a stage at the stage's copy (torch copies it under one name only)"
     for c in copies:
@@ -329,13 +339,17 @@ def _point_aliases(model, pipe, copies):
 
 def trace_stages(model:nn.Module, split:PipelineSplit, example, atol:float=1e-5) -> PipelineSplit:
     "`split` with stages traced by torch's `pipeline` on `example`, one microbatch; checked to reproduce `model`"
+    with _no_cache(model): return _trace_stages(model, split, example, atol)
+
+def _trace_stages(model, split, example, atol):
     from torch.utils._pytree import tree_flatten
     points = [split.stage_units(s)[0] for s in range(1, split.n_stages)]
     try: pipe = _annotated_trace(model, points, example)
     except Exception as e:
-        raise ValueError(f"torch.export cannot trace {type(model).__name__} for a pipeline ({type(e).__name__}: "
-                         f"{str(e)[:300]}). Make its forward traceable (for Hugging Face models: use_cache=False) or "
-                         "make it a chain of units") from e
+        why = e.__cause__ or e  # torch's own message says only that export failed
+        raise ValueError(f"torch.export cannot trace {type(model).__name__} for a pipeline ({type(why).__name__}: "
+                         f"{str(why)[:300]}). Make its forward traceable (no data-dependent control flow) or make it "
+                         "a chain of units") from e
     if pipe.num_stages != split.n_stages:
         raise ValueError(f"torch's tracer cut {type(model).__name__} into {pipe.num_stages} stages, not "
                          f"{split.n_stages}: some of {points} are not called in the forward")

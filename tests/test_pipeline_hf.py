@@ -19,8 +19,8 @@ def gpt2(tied=False):
 def llama():
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
-                                        num_key_value_heads=2, intermediate_size=64, vocab_size=128, use_cache=False,
-                                        attn_implementation='eager'))
+                                        num_key_value_heads=2, intermediate_size=64, vocab_size=128,
+                                        attn_implementation='eager'))  # use_cache left on: dtnb traces without it
 
 MODELS = {'gpt2': gpt2, 'gpt2-tied': lambda: gpt2(tied=True), 'llama': llama}
 TIED = {'lm_head.weight': 'transformer.wte.weight'}  # GPT-2's tied output layer: the second stage's copy
