@@ -9,6 +9,7 @@ from dtnb.launcher import launch
 from dtnb.pipeline import apply_pipeline, causal_lm_loss, Pipeline
 
 BATCH, SEQ, STEPS, LR = 8, 16, 3, 1e-3
+torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),))  # warms torch.export once: forked ranks inherit it
 
 def gpt2(tied=False):
     torch.manual_seed(0)
