@@ -7,6 +7,7 @@ import torch.distributed.pipelining  # once, before the ranks fork
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from dtnb.launcher import launch
 from dtnb.pipeline import apply_pipeline, causal_lm_loss, Pipeline
+from dtnb.parallel import Degrees, parallelize
 
 BATCH, SEQ, STEPS, LR = 8, 16, 3, 1e-3
 torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),))  # warms torch.export once: forked ranks inherit it
@@ -47,7 +48,9 @@ def mistakes(pipe, x):
                 mask=err(lambda: pipe.step(dict(input_ids=x, labels=x, attention_mask=(x > 3).long()))),
                 keys=err(lambda: pipe.step(dict(ids=x, labels=x))),
                 loss=err(lambda: apply_pipeline(gpt2(), None, example=x[:2])),
-                tied=err(lambda: apply_pipeline(gpt2(tied=True), causal_lm_loss)))  # no example: no tracing
+                tied=err(lambda: apply_pipeline(gpt2(tied=True), causal_lm_loss)),  # no example: no tracing
+                ac=err(lambda: parallelize(gpt2(), Degrees(pp=2), causal_lm_loss, example=x[:2],
+                                           activation_checkpointing=True)))
 
 def train(pipe, ids, dict_batch):
     opt, losses = torch.optim.AdamW(pipe.parameters(), lr=LR), []
@@ -98,3 +101,5 @@ def test_hf_pipeline_equals_one_process(name):
         assert ("parameters shared between stages: transformer.wte.weight (stage 0) is lm_head.weight (stage 1). Pass "
                 "example=<one microbatch>" in errs['tied'])
         assert "no split into 2 stages keeps units transformer.wte .. lm_head in one stage" in errs['tied']
+        assert ("GPT2LMHeadModel is not a chain of units: torch's tracer cut it, and traced stages run as traced, "
+                "with pipeline parallelism alone: drop activation_checkpointing") in errs['ac']
