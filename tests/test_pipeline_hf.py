@@ -70,6 +70,9 @@ def ranked(name, check_errors=False):
     pipe.load_state_dict(start)
     pipe = Pipeline(pipe.modules, pipe.stage_indices, pipe.n_stages, causal_lm_loss, '1f1b', split=pipe.split)
     out['1f1b'] = train(pipe, ids, dict_batch=True)  # a dict batch: input_ids and labels
+    tl = pipe.profile_step(ids[:BATCH], ids[:BATCH])  # timelines of traced stages: what ran is the plan
+    out['timeline'] = [(e['stage'], e['kind'], e['mb']) for e in sorted(tl.events, key=lambda e: e['start'])
+                       if e['rank'] == pipe.pp_rank], pipe.order()[pipe.pp_rank]
     return out, mistakes(pipe, ids[:BATCH]) if check_errors else None
 
 @pytest.mark.parametrize('name', list(MODELS))
@@ -88,6 +91,7 @@ def test_hf_pipeline_equals_one_process(name):
         for k, v in got.items():
             d = (v - want[TIED.get(k, k) if name == 'gpt2-tied' else k]).abs().max().item()
             assert d < 1e-4, f"{schedule} {k}: max difference {d:.3g}"
+    for r in res: assert r[0]['timeline'][0] == r[0]['timeline'][1] and len(r[0]['timeline'][0]) == 8
     if name == 'gpt2-tied':
         assert 'tied, copied per stage: transformer.wte.weight (stage 0) = lm_head.weight (stage 1)' in text
         errs = res[0][1]
