@@ -10,7 +10,8 @@ _API = '''
     launch LaunchError init_distributed shutdown rank world_size local_rank is_main barrier rank0_first current_device
     wrap distributed_loader
     full_state_dict check_optimizer
-    apply_pipeline Pipeline split_model PipelineSplit PipelineTimeline PipelineTimelines simulate_schedule
+    apply_pipeline Pipeline causal_lm_loss split_model PipelineSplit PipelineTimeline PipelineTimelines
+    simulate_schedule
     schedule_order bubble_fraction
     Degrees parallelize tp_plan apply_tp data_rank
     estimate_memory recommend measure_memory trace_activations memory_explorer TransformerShape MemoryEstimate

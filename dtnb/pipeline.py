@@ -7,22 +7,22 @@ Docs: https://dtnb-dev.github.io/dtnb/pipeline.html.md"""
 # %% ../nbs/02d_pipeline.ipynb #52d4e7d5
 from __future__ import annotations
 import time, functools
+from collections.abc import Mapping
 import torch
 from torch import nn
 from .utils import require_group, synchronize, broadcast_from_rank0
 from .launcher import current_device
-from .split import Skip, PipelineSplit, split_model, stage_module, check_split
+from .split import PipelineSplit, split_model, stage_module, chain_problem, trace_stages, _logits
 from .schedules import SCHEDULES, schedule_name, schedule_order, stage_ranks, PipelineTimeline
 
 # %% auto #0
-__all__ = ['Pipeline', 'pipeline_stages', 'apply_pipeline']
+__all__ = ['causal_lm_loss', 'Pipeline', 'pipeline_stages', 'apply_pipeline']
 
 # %% ../nbs/02d_pipeline.ipynb #eae87eb5
 @functools.cache
-def _timed_stage_class():
-    "torch's PipelineStage, recording (stage, kind, microbatch, start, end) of each action while `events` is a list"
-    from torch.distributed.pipelining import PipelineStage
-    class TimedStage(PipelineStage):
+def _timed_stage_class(base):
+    "torch's stage class `base`, recording (stage, kind, microbatch, start, end) of each action while `events` is set"
+    class TimedStage(base):
         events = None
         def _timed(self, kind, mb, fn, *a, **k):
             if self.events is None: return fn(*a, **k)
@@ -69,6 +69,50 @@ def _unwrap(m):
 
 def _divisors(n): return [d for d in range(1, n + 1) if n % d == 0]
 
+def _make_stage(mod, s, n_stages, device, group, trace):
+    "torch's stage for stage module `mod`: a PipelineStage, or for a traced model the stage `build_stage` makes"
+    from torch.distributed.pipelining import PipelineStage, build_stage
+    if trace is None: return _timed_stage_class(PipelineStage)(mod, s, n_stages, device, group=group)
+    if not isinstance(mod, torch.fx.GraphModule):
+        raise NotImplementedError(f"stage {s} of a traced pipeline is a {type(mod).__name__}: torch's traced stages "
+                                  "run as traced, without DDP, FSDP or tensor parallel wrappers; use pipeline "
+                                  "parallelism alone for a model that is not a chain")
+    if device.type != 'cpu':  # the tracer burns its device into the ops that create tensors
+        from torch.distributed.pipelining._IR import _modify_graph_op_device
+        _modify_graph_op_device(mod, device)
+    st = build_stage(mod, s, trace.pipe.info(), device, group)
+    st.__class__ = _timed_stage_class(type(st))
+    return st
+
+def _check_loss_fn(loss_fn):
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn={loss_fn!r}: a pipeline computes the loss on its last stage from the model's output "
+                         "and the targets: pass loss_fn(output, targets), e.g. causal_lm_loss for a Hugging Face "
+                         "causal LM. A model's own loss (model(input_ids, labels=...).loss) needs the labels inside "
+                         "its forward, which the pipeline cuts into stages")
+
+def _batch(inputs, targets):
+    "(inputs, targets) from `step`'s arguments: a dict batch gives its 'input_ids' and 'labels'"
+    if not isinstance(inputs, Mapping):
+        if targets is None: raise ValueError("step(inputs, targets): the last stage computes loss_fn(output, targets): "
+                                             "pass the targets, or a dict batch with 'input_ids' and 'labels'")
+        return inputs, targets
+    keys, mask = sorted(inputs), inputs.get('attention_mask')
+    if targets is not None: raise ValueError("pass a dict batch alone, step(batch), or step(inputs, targets)")
+    if not {'input_ids', 'labels'} <= set(keys) or set(keys) - {'input_ids', 'labels', 'attention_mask'}:
+        raise ValueError(f"a dict batch for a pipeline holds 'input_ids' (the first stage's input) and 'labels' (the "
+                         f"targets of loss_fn); got {keys}. For other inputs call step(inputs, targets) with the "
+                         "tensors the model's forward takes, in order")
+    if mask is not None and not bool((mask != 0).all()):
+        raise ValueError("attention_mask has zeros (padding), but the first stage gets input_ids alone: pad on the "
+                         "right, set the padded labels to -100 (a causal LM's tokens never attend to later padding) "
+                         "and drop attention_mask")
+    return inputs['input_ids'], inputs['labels']
+
+def causal_lm_loss(logits, labels):
+    "Next-token cross entropy as a Hugging Face causal LM computes it from `labels`: -100 marks ignored tokens"
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+
 # %% ../nbs/02d_pipeline.ipynb #73bc8f2e
 class Pipeline:
     "This rank's stages of a pipelined model and the schedule that trains them: `step(inputs, targets)` -> batch loss"
@@ -92,14 +136,35 @@ class Pipeline:
             raise ValueError(f"n_microbatches={n_microbatches!r} must be a whole number >= 1")
         self.n_microbatches, self.last_rank = m, ranks[-1]
         self.device = torch.device(device) if device is not None else current_device()
-        Stage = _timed_stage_class()
-        self.stages = [Stage(mod, s, n_stages, self.device, group=self.group)
+        _check_loss_fn(loss_fn)
+        self.loss_fn, self.trace = loss_fn, split.trace if split is not None else None
+        self.stages = [_make_stage(mod, s, n_stages, self.device, self.group, self.trace)
                        for mod, s in zip(self.modules, self.stage_indices)]
+        self._tied = self._tied_copies()
         cls = getattr(schedules, SCHEDULES[self.schedule_name][0], None)
         if cls is None:
             raise ValueError(f"schedule {self.schedule_name!r} needs a newer torch than {torch.__version__}")
         one = SCHEDULES[self.schedule_name][1] == 'one'
-        self.schedule = cls(self.stages[0] if one else self.stages, n_microbatches=m, loss_fn=loss_fn)
+        self.schedule = cls(self.stages[0] if one else self.stages, n_microbatches=m, loss_fn=self._loss)
+
+    def _loss(self, output, target):
+        "`loss_fn` on what the model returns (its logits, for a Hugging Face-style output)"
+        if self.trace is not None: output = self.trace.output(output)
+        return self.loss_fn(_logits(output), target)
+    def _tied_copies(self) -> list:
+        "[(shape, this rank's copies, whether they are the first stage's), ...] of parameters the tracer copied"
+        mods = dict(zip(self.stage_indices, map(_unwrap, self.modules)))
+        return [(shape, [(mods[s].get_parameter(n), s == min(c)) for s, n in c.items() if s in mods])
+                for shape, c in (self.trace.tied if self.trace is not None else [])]
+    def _sum_tied_grads(self, before):
+        "Each tied parameter's gradient from this step is the sum over its copies (this rank's, then all ranks')"
+        import torch.distributed as dist
+        for (shape, copies), old in zip(self._tied, before):
+            add = torch.zeros(shape, device=self.device)
+            for (p, _), o in zip(copies, old):
+                if p.grad is not None: add += p.grad.float() - (0 if o is None else o)
+            dist.all_reduce(add, group=self.group)
+            for (p, _), o in zip(copies, old): p.grad = (add if o is None else o + add).to(p.dtype, copy=True)
 
     @property
     def data_parallel_size(self) -> int:
@@ -115,6 +180,7 @@ class Pipeline:
 
     def _run(self, inputs, targets, train):
         import torch.distributed as dist
+        inputs, targets = _batch(inputs, targets)
         xs, m = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), self.n_microbatches
         b = xs[0].shape[0]
         if b % m:
@@ -123,10 +189,17 @@ class Pipeline:
                              f"{b} ({', '.join(map(str, _divisors(b)))})")
         if targets.shape[0] != b:
             raise ValueError(f"inputs hold {b} samples but targets {targets.shape[0]}: pass the same batch")
+        if self.trace is not None and (got := [(b // m, *x.shape[1:]) for x in xs]) != self.trace.shapes:
+            raise ValueError(f"the stages were traced on microbatches of shape {self.trace.shapes}, but this batch in "
+                             f"{m} microbatches makes {got}: pass batches of {m} × {self.trace.shapes[0][0]} samples "
+                             "of that shape, or trace with example=<one microbatch of the training shape>")
         losses = []
         args = tuple(x.to(self.device) for x in xs) if self.has_first else ()
         kw = dict(target=targets.to(self.device), losses=losses) if self.has_last else {}
-        if train: self.schedule.step(*args, **kw)
+        if train:
+            before = [[None if p.grad is None else p.grad.float().clone() for p, _ in c] for _, c in self._tied]
+            self.schedule.step(*args, **kw)
+            self._sum_tied_grads(before)
         else:
             with torch.no_grad(): self.schedule.eval(*args, **kw)
         loss = (torch.stack([l.detach().float() for l in losses]).mean() if losses
@@ -136,10 +209,10 @@ class Pipeline:
             if (n := dist.get_world_size(g)) > 1: dist.all_reduce(loss, group=g); loss /= n
         return loss
 
-    def step(self, inputs, targets) -> torch.Tensor:
-        "Train on one batch (forward, loss, backward over all microbatches); returns the batch loss on every rank"
+    def step(self, inputs, targets=None) -> torch.Tensor:
+        "Train on one batch (forward, loss, backward over all microbatches): inputs and targets, or a dict batch"
         return self._run(inputs, targets, train=True)
-    def eval_loss(self, inputs, targets) -> torch.Tensor:
+    def eval_loss(self, inputs, targets=None) -> torch.Tensor:
         "The batch loss, forward only, on every rank"
         if SCHEDULES[self.schedule_name][1] == 'two (V)':  # torch 2.13 fails there ("can't steal_bwd_input")
             raise NotImplementedError(f"torch's {self.schedule_name!r} schedule cannot run forward only; evaluate "
@@ -191,8 +264,10 @@ class Pipeline:
         "Clip the gradients of all stages by their norm over the whole model (all pipeline ranks); returns that norm"
         import torch.distributed as dist
         grads = [p.grad for p in self.parameters() if p.grad is not None]
+        copies = {id(p) for _, c in self._tied for p, first in c if not first}  # a tied parameter counts once
         sq = torch.zeros((), device=self.device)
-        for g in grads:  # one by one: tensor- or data-parallel gradients are DTensors, the others plain tensors
+        for g in [p.grad for p in self.parameters() if p.grad is not None and id(p) not in copies]:
+            # one by one: tensor- or data-parallel gradients are DTensors, the others plain tensors
             n = torch.linalg.vector_norm(g.float())
             sq += (n.full_tensor() if hasattr(n, 'full_tensor') else n) ** 2
         dist.all_reduce(sq, group=self.group)
@@ -209,7 +284,7 @@ class Pipeline:
 
 # %% ../nbs/02d_pipeline.ipynb #75271a25
 def pipeline_stages(model:nn.Module, n_stages=None, split_points=None, schedule:str='1f1b', balance:str='params',
-                    example=None, group=None) -> tuple:
+                    example=None, group=None, trace:bool|None=None) -> tuple:
     "Cut `model` for the pipeline ranks of `group`: returns (split, this rank's stage indices, their modules)"
     import torch.distributed as dist
     require_group("apply_pipeline(model, ...)")
@@ -222,9 +297,17 @@ def pipeline_stages(model:nn.Module, n_stages=None, split_points=None, schedule:
     if timed:  # rank 0 measures, alone on its device; every rank uses its split
         mine = split_model(model, n_stages, None, 'time', example) if r == 0 else None
         split.costs, split.bounds, split.by = *broadcast_from_rank0(mine and (mine.costs, mine.bounds), group), 'time'
-    check_split(model, split, example)
     mine = [s for s, rk in enumerate(stage_ranks(name, split.n_stages, p)) if rk == r]
-    return split, mine, [stage_module(model, split.stage_units(s)) for s in mine]
+    if not trace and not (problem := chain_problem(model, split, example)):
+        return split, mine, [stage_module(model, split.stage_units(s)) for s in mine]
+    if trace is False or (trace is None and example is None): raise ValueError(problem)
+    if example is None: raise ValueError("trace=True traces the model on one microbatch: pass example=")
+    if SCHEDULES[name][1] == 'two (V)':  # torch 2.13: traced stages on one rank cannot pass activations locally
+        raise ValueError(f"{type(model).__name__} is not a chain of units, so torch's tracer cuts it, and traced "
+                         f"stages cannot run the V-shaped schedule {name!r} (neighbouring stages on one rank): use "
+                         f"one of {', '.join(k for k, v in SCHEDULES.items() if v[1] != 'two (V)')}")
+    split = trace_stages(model, split, example)  # torch's tracer, cut where dtnb's split says
+    return split, mine, [split.trace.pipe.get_stage_module(s) for s in mine]
 
 def apply_pipeline(model:nn.Module,
                    loss_fn,                      # loss_fn(output, target): the mean loss of a microbatch
@@ -233,12 +316,14 @@ def apply_pipeline(model:nn.Module,
                    n_microbatches:int|None=None, # default: twice the pipeline ranks, at least the number of stages
                    schedule:str='1f1b',          # a name in `SCHEDULES`: 'gpipe', '1f1b', 'interleaved1f1b', 'zbv' ...
                    balance:str='params',         # automatic cut: balance 'params' or measured 'time'
-                   example=None,                 # a few samples: orders units by call, checks the cut; for 'time'
+                   example=None,                 # one microbatch: orders units by call, checks the cut, traces
                    group=None,                   # process group of the pipeline ranks (default: all ranks)
                    device=None,                  # default: this rank's device
+                   trace:bool|None=None,         # torch's tracer: None when the model is not a chain; True; False
                   ) -> Pipeline:
     "Cut `model` into stages over the ranks of `group`; returns this rank's part, trained with `step(inputs, targets)`"
-    split, mine, mods = pipeline_stages(model, n_stages, split_points, schedule, balance, example, group)
+    _check_loss_fn(loss_fn)
+    split, mine, mods = pipeline_stages(model, n_stages, split_points, schedule, balance, example, group, trace)
     dev = torch.device(device) if device is not None else current_device()
     return Pipeline([m.to(dev) for m in mods], mine, split.n_stages, loss_fn, schedule, n_microbatches, group, dev,
                     split)

@@ -6,8 +6,8 @@ Docs: https://dtnb-dev.github.io/dtnb/split.html.md"""
 
 # %% ../nbs/02b_split.ipynb #36946b71
 from __future__ import annotations
-import copy, time
-from dataclasses import dataclass
+import copy, time, contextlib
+from dataclasses import dataclass, field
 import torch
 from torch import nn
 from .utils import md_table, text_table, synchronize
@@ -15,7 +15,7 @@ from .models import find_blocks
 
 # %% auto #0
 __all__ = ['pipeline_units', 'Skip', 'stage_module', 'balance_bounds', 'unit_times', 'PipelineSplit', 'split_model',
-           'check_split']
+           'chain_problem', 'check_split', 'TracedStages', 'trace_stages']
 
 # %% ../nbs/02b_split.ipynb #80c754c3
 def _as_tuple(x): return tuple(x) if isinstance(x, (tuple, list)) else (x,)
@@ -145,6 +145,7 @@ class PipelineSplit:
     costs: list    # cost of each unit: parameters ('params', 'points') or seconds ('time')
     bounds: list   # stage s runs units[bounds[s]:bounds[s+1]]
     by: str        # 'params', 'time' or 'points'
+    trace: TracedStages|None = field(default=None, repr=False)  # set when the stages come from torch's tracer
 
     @property
     def n_stages(self): return len(self.bounds) - 1
@@ -161,12 +162,14 @@ class PipelineSplit:
         def span(s): u = self.stage_units(s); return u[0] if len(u) == 1 else f"{u[0]} … {u[-1]} ({len(u)} units)"
         return [(s, span(s), fmt(c)) for s, c in enumerate(self.stage_costs)]
     def _header(self): return ('stage', 'units', 'time (fwd+bwd)' if self.by == 'time' else 'parameters')
-    def _footer(self): return f"imbalance (largest stage / mean): {self.imbalance:.2f}"
+    def _footer(self):
+        how = '' if self.trace is None else f"; {self.trace}"
+        return f"imbalance (largest stage / mean): {self.imbalance:.2f}{how}"
     def _repr_markdown_(self): return md_table(self._header(), self._rows()) + f"\n\n{self._footer()}"
     def __str__(self): return text_table(self._header(), self._rows()) + f"\n{self._footer()}"
     def to_dict(self):
         return dict(stages=[self.stage_units(s) for s in range(self.n_stages)], stage_costs=self.stage_costs,
-                    by=self.by, imbalance=self.imbalance)
+                    by=self.by, imbalance=self.imbalance, traced=self.trace is not None)
 
 # %% ../nbs/02b_split.ipynb #efe38f47
 def _unit_costs(model, units, balance, example) -> list:
@@ -210,26 +213,39 @@ def _owned_elsewhere(model, units):
     return [n for n, p in model.named_parameters() if id(p) not in inside]
 
 def _shared_across(model, split):
-    "Parameters held by units of two different stages (tied weights)"
+    "Parameters held by units of two different stages (tied weights): [((name, stage), (name, stage)), ...]"
     owner, shared = {}, []
     for s in range(split.n_stages):
         for u in split.stage_units(s):
             for n, p in model.get_submodule(u).named_parameters():
-                if owner.setdefault(id(p), (s, f"{u}.{n}"))[0] != s: shared.append((owner[id(p)][1], f"{u}.{n}"))
+                first = owner.setdefault(id(p), (f"{u}.{n}", s))
+                if first[1] != s: shared.append((first, (f"{u}.{n}", s)))
     return shared
 
-def _max_diff(a, b):
-    a, b = _as_tuple(a), _as_tuple(b)
-    return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b) if torch.is_tensor(x))
+def _points_keeping(split, i, j) -> list|None:
+    "split_points for `split.n_stages` stages that put units i..j into one stage (None when none can)"
+    n, u = split.n_stages, split.units
+    if i + (len(u) - 1 - j) < n - 1: return None
+    a = min(i, n - 1)  # stages before the tied stage, then n - 1 - a after it
+    starts = list(range(1, a)) + ([i] if a else []) + list(range(j + 1, j + n - a))
+    return [u[k] for k in starts]
 
-def _check_params(model, split):
+def _tied_message(model, split, tied) -> str:
+    (n1, s1), (n2, s2) = tied[0]
+    i, j = sorted(split.units.index(next(u for u in split.units if n.startswith(f"{u}."))) for n in (n1, n2))
+    pts = _points_keeping(split, i, j)
+    keep = (f"keep them in one stage: split_points={pts}" if pts else
+            f"no split into {split.n_stages} stages keeps units {split.units[i]} .. {split.units[j]} in one stage")
+    return (f"parameters shared between stages: {n1} (stage {s1}) is {n2} (stage {s2}). Pass example=<one "
+            "microbatch> to apply_pipeline: it then traces the model with torch.distributed.pipelining, which gives "
+            f"each stage a copy, and sums their gradients; or {keep}; or untie the weights")
+
+def _param_problem(model, split) -> str|None:
     if stray := _owned_elsewhere(model, split.units):
-        raise ValueError(f"{type(model).__name__} holds parameters outside its pipeline units "
-                         f"({', '.join(stray[:5])}): every stage would get a copy. Move them into a submodule (e.g. an "
-                         "nn.Embedding or a small module) that the forward calls")
-    if tied := _shared_across(model, split):
-        raise ValueError(f"parameters shared between stages cannot be split: {tied[0][0]} is {tied[0][1]}. "
-                         "Put both units in one stage (split_points=...) or untie the weights")
+        return (f"{type(model).__name__} holds parameters outside its pipeline units ({', '.join(stray[:5])}): every "
+                "stage would get a copy. Move them into a submodule (e.g. an nn.Embedding or a small module) that the "
+                "forward calls, or pass example=<one microbatch> to apply_pipeline so that it traces the model")
+    if tied := _shared_across(model, split): return _tied_message(model, split, tied)
 
 # %% ../nbs/02b_split.ipynb #38aa6fc0
 def _stages_differ(model, split, example, atol) -> str|None:
@@ -239,17 +255,115 @@ def _stages_differ(model, split, example, atol) -> str|None:
         try:
             for s in range(split.n_stages): out = _as_tuple(stage_module(model, split.stage_units(s))(*out))
         except Exception as e: return f"stage {s} fails: {type(e).__name__}: {str(e)[:200]}"
-    return f"max difference {_max_diff(want, out):.3g}" if _max_diff(want, out) > atol else None
+        try: d = _max_diff(want, out)
+        except Exception as e: return f"its output is not the last stage's: {type(e).__name__}: {str(e)[:100]}"
+    return f"max difference {d:.3g}" if d > atol else None
 
-def check_split(model:nn.Module, split:PipelineSplit, example=None, atol:float=1e-5):
-    "Raise if `split` cannot run `model` as a pipeline: parameters outside units or tied across stages, or a new output"
-    _check_params(model, split)
-    if example is None: return
+def _max_diff(a, b):
+    a, b = _as_tuple(_logits(a)), _as_tuple(_logits(b))
+    return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True) if torch.is_tensor(x))
+
+def _logits(out):
+    "The logits of a Hugging Face-style output (`.logits`, or a dict's 'logits'); any other output as it is"
+    if isinstance(out, dict) and 'logits' in out: return out['logits']
+    return out if torch.is_tensor(out) or not hasattr(out, 'logits') else out.logits
+
+def chain_problem(model:nn.Module, split:PipelineSplit, example=None, atol:float=1e-5) -> str|None:
+    "Why `model` cut at `split` does not run as a chain of stages (None when it does, as far as `example` shows)"
+    if p := _param_problem(model, split): return p
+    if example is None: return None
     was = model.training
     model.eval()
     try: err = _stages_differ(model, split, example, atol)
     finally: model.train(was)
-    if err: raise ValueError(f"running the {split.n_stages} stages one after another does not reproduce "
-                             f"{type(model).__name__}'s output ({err}): its forward does more than apply its units in "
-                             f"order ({', '.join(split.units)}). Cut only where one tensor passes from unit to unit, "
-                             "or move the extra work into a unit")
+    if err: return (f"running the {split.n_stages} stages one after another does not reproduce "
+                    f"{type(model).__name__}'s output ({err}): its forward does more than apply its units in order "
+                    f"({', '.join(split.units)}). Cut only where one tensor passes from unit to unit, move the extra "
+                    "work into a unit, or let apply_pipeline trace the model (its default, given example=)")
+
+def check_split(model:nn.Module, split:PipelineSplit, example=None, atol:float=1e-5):
+    "Raise if `split` cannot run `model` as a chain: parameters outside units or tied across stages, or a new output"
+    if p := chain_problem(model, split, example, atol): raise ValueError(p)
+
+# %% ../nbs/02b_split.ipynb #be020816
+@dataclass
+class TracedStages:
+    "torch's traced pipeline (`torch.distributed.pipelining.Pipe`) of a model whose forward is not a chain of units"
+    pipe: object       # torch's Pipe: the stage modules and the graph that connects them
+    tied: list         # [(shape, {stage: parameter name}), ...]: one parameter copied into several stages
+    shapes: list       # the shapes of the example microbatch that the stages were traced on (and now expect)
+    out_spec: object   # pytree spec of the model's output: the last stage returns its leaves
+
+    def output(self, out):
+        "The last stage's output in the structure the model returns (a Hugging Face output, a tuple ...)"
+        from torch.utils._pytree import tree_unflatten
+        try: return tree_unflatten(list(_as_tuple(out)), self.out_spec)
+        except Exception: return out
+    def __getstate__(self):  # torch's Pipe does not pickle: a pickled copy (e.g. from a rank) keeps the description
+        return {**self.__dict__, 'pipe': None, 'out_spec': None}
+    def __str__(self):
+        tied = '; '.join(' = '.join(f"{n} (stage {s})" for s, n in t.items()) for _, t in self.tied)
+        return "traced by torch.distributed.pipelining" + (f"; tied, copied per stage: {tied}" if tied else '')
+
+# %% ../nbs/02b_split.ipynb #862cac1d
+def _annotated_trace(model, points, example):
+    "torch's `pipeline` cut before `points`; the model's forwards are restored (torch patches them in place)"
+    from torch.distributed.pipelining import pipeline, SplitPoint
+    try:
+        with torch.no_grad():  # torch traces under no_grad: grad-mode switches inside the forward then leave no trace
+            return pipeline(model, _as_tuple(example), split_spec=dict.fromkeys(points, SplitPoint.BEGINNING))
+    finally:
+        for n in points: model.get_submodule(n).__dict__.pop('forward', None)
+
+@contextlib.contextmanager
+def _no_cache(model):
+    "A Hugging Face model with `config.use_cache=False`: training needs no key-value cache, and the cache won't trace"
+    cfg = getattr(model, 'config', None)
+    cache = getattr(cfg, 'use_cache', False)
+    if cache: cfg.use_cache = False
+    try: yield
+    finally:
+        if cache: cfg.use_cache = cache
+
+def _point_aliases(model, pipe, copies):
+    "Point every name of a tied parameter in a stage at the stage's copy (torch copies it under one name only)"
+    for c in copies:
+        orig = model.get_parameter(next(iter(c.values())))
+        for s, name in c.items():
+            m = pipe.get_stage_module(s)
+            keep = m.get_parameter(name)
+            for fqn, p in list(m.named_parameters(remove_duplicate=False)):
+                if p is orig and p is not keep:
+                    parent, _, leaf = fqn.rpartition('.')
+                    setattr(m.get_submodule(parent), leaf, keep)
+
+def trace_stages(model:nn.Module, split:PipelineSplit, example, atol:float=1e-5) -> PipelineSplit:
+    "`split` with stages traced by torch's `pipeline` on `example`, one microbatch; checked to reproduce `model`"
+    with _no_cache(model): return _trace_stages(model, split, example, atol)
+
+def _trace_stages(model, split, example, atol):
+    from torch.utils._pytree import tree_flatten
+    points = [split.stage_units(s)[0] for s in range(1, split.n_stages)]
+    try: pipe = _annotated_trace(model, points, example)
+    except Exception as e:
+        why = e.__cause__ or e  # torch's own message says only that export failed
+        raise ValueError(f"torch.export cannot trace {type(model).__name__} for a pipeline ({type(why).__name__}: "
+                         f"{str(why)[:300]}). Make its forward traceable (no data-dependent control flow) or make it "
+                         "a chain of units") from e
+    if pipe.num_stages != split.n_stages:
+        raise ValueError(f"torch's tracer cut {type(model).__name__} into {pipe.num_stages} stages, not "
+                         f"{split.n_stages}: some of {points} are not called in the forward")
+    with torch.no_grad(), torch.random.fork_rng():  # the same random numbers for dropout in both runs
+        seed = torch.seed()
+        want = model(*_as_tuple(example)); torch.manual_seed(seed)
+        got = pipe(*_as_tuple(example))
+    leaves, spec = tree_flatten(want)
+    if (d := _max_diff(leaves, got)) > atol:
+        raise ValueError(f"the stages traced from {type(model).__name__} do not reproduce its output (max difference "
+                         f"{d:.3g}); cut elsewhere (split_points=...)")
+    stage = lambda name: int(name.rpartition('_')[2])  # torch's stage modules are submod_pp_0, submod_pp_1 ...
+    copies = [{stage(k): v for k, v in m.items()} for m in pipe.replicated_params]
+    _point_aliases(model, pipe, copies)
+    tied = [(tuple(pipe.get_stage_module(s).get_parameter(n).shape), c) for c in copies for s, n in [min(c.items())]]
+    shapes = [tuple(t.shape) for t in _as_tuple(example)]
+    return PipelineSplit(split.units, split.costs, split.bounds, split.by, TracedStages(pipe, tied, shapes, spec))

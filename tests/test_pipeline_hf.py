@@ -1,0 +1,109 @@
+"""Pipeline parallel for models whose forward is not a chain: Hugging Face GPT-2 (untied and tied) and Llama, tiny and
+randomly initialised, traced by torch's pipelining front end on 2 gloo ranks, equal to one process"""
+import pytest
+import torch
+transformers = pytest.importorskip('transformers')  # the `dev` extra; imported once here, inherited by forked ranks
+import torch.distributed.pipelining  # once, before the ranks fork
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from dtnb.launcher import launch
+from dtnb.pipeline import apply_pipeline, causal_lm_loss, Pipeline
+from dtnb.parallel import Degrees, parallelize
+
+BATCH, SEQ, STEPS, LR = 8, 16, 3, 1e-3
+torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),))  # warms torch.export once: forked ranks inherit it
+
+def gpt2(tied=False):
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
+                                      resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, use_cache=False,
+                                      tie_word_embeddings=tied))
+
+def llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                        num_key_value_heads=2, intermediate_size=64, vocab_size=128,
+                                        attn_implementation='eager'))  # use_cache left on: dtnb traces without it
+
+MODELS = {'gpt2': gpt2, 'gpt2-tied': lambda: gpt2(tied=True), 'llama': llama}
+TIED = {'lm_head.weight': 'transformer.wte.weight'}  # GPT-2's tied output layer: the second stage's copy
+
+def tokens(): return torch.randint(0, 128, (STEPS * BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+def params(named): return {k: v.detach().clone() for k, v in named}
+
+def one_process(name):
+    "The reference: the model's own loss (labels=), AdamW, one process"
+    model, ids = MODELS[name](), tokens()
+    opt, losses = torch.optim.AdamW(model.parameters(), lr=LR), []
+    for i in range(STEPS):
+        x = ids[i * BATCH:(i + 1) * BATCH]
+        opt.zero_grad(); loss = model(x, labels=x).loss; loss.backward(); opt.step(); losses.append(loss.item())
+    return losses, params(model.named_parameters())
+
+def mistakes(pipe, x):
+    "Error messages, raised on every rank before any message between ranks"
+    def err(f):
+        try: f()
+        except ValueError as e: return str(e)
+    return dict(shape=err(lambda: pipe.step(x[:4], x[:4])),
+                mask=err(lambda: pipe.step(dict(input_ids=x, labels=x, attention_mask=(x > 3).long()))),
+                keys=err(lambda: pipe.step(dict(ids=x, labels=x))),
+                loss=err(lambda: apply_pipeline(gpt2(), None, example=x[:2])),
+                tied=err(lambda: apply_pipeline(gpt2(tied=True), causal_lm_loss)),  # no example: no tracing
+                ac=err(lambda: parallelize(gpt2(), Degrees(pp=2), causal_lm_loss, example=x[:2],
+                                           activation_checkpointing=True)))
+
+def train(pipe, ids, dict_batch):
+    opt, losses = torch.optim.AdamW(pipe.parameters(), lr=LR), []
+    for i in range(STEPS):
+        x = ids[i * BATCH:(i + 1) * BATCH]
+        opt.zero_grad()
+        loss = pipe.step(dict(input_ids=x, labels=x)) if dict_batch else pipe.step(x, x)
+        opt.step(); losses.append(loss.item())
+    return losses, params(pipe.named_parameters()), pipe.split.to_dict(), str(pipe.split)
+
+def ranked(name, check_errors=False):
+    "GPipe, then 1F1B on the same traced stages reset to the start: losses, parameters after 3 AdamW steps, the split"
+    ids = tokens()
+    pipe = apply_pipeline(MODELS[name](), causal_lm_loss, schedule='gpipe', example=ids[:BATCH // 4])  # traces
+    start = {k: v.clone() for k, v in pipe.state_dict().items()}
+    out = dict(gpipe=train(pipe, ids, dict_batch=False))
+    pipe.load_state_dict(start)
+    pipe = Pipeline(pipe.modules, pipe.stage_indices, pipe.n_stages, causal_lm_loss, '1f1b', split=pipe.split)
+    out['1f1b'] = train(pipe, ids, dict_batch=True)  # a dict batch: input_ids and labels
+    tl = pipe.profile_step(ids[:BATCH], ids[:BATCH])  # timelines of traced stages: what ran is the plan
+    out['timeline'] = [(e['stage'], e['kind'], e['mb']) for e in sorted(tl.events, key=lambda e: e['start'])
+                       if e['rank'] == pipe.pp_rank], pipe.order()[pipe.pp_rank]
+    return out, mistakes(pipe, ids[:BATCH]) if check_errors else None
+
+@pytest.mark.parametrize('name', list(MODELS))
+def test_hf_pipeline_equals_one_process(name):
+    "Losses on every rank and all parameters (a tied one: each stage's copy) after 3 AdamW steps match, to 1e-4"
+    losses, want = one_process(name)
+    res = launch(ranked, name, check_errors=name == 'gpt2-tied', nprocs=2)
+    for schedule in ('gpipe', '1f1b'):
+        got = {}
+        for r in res:
+            assert max(abs(a - b) for a, b in zip(r[0][schedule][0], losses)) < 1e-4, (schedule, r[0][schedule], losses)
+            got.update(r[0][schedule][1])
+        split, text = res[0][0][schedule][2:]
+        assert split['traced'] and len(split['stages']) == 2
+        assert sorted(got) == sorted([*want, *(['lm_head.weight'] if name == 'gpt2-tied' else [])])
+        for k, v in got.items():
+            d = (v - want[TIED.get(k, k) if name == 'gpt2-tied' else k]).abs().max().item()
+            assert d < 1e-4, f"{schedule} {k}: max difference {d:.3g}"
+    for r in res: assert r[0]['timeline'][0] == r[0]['timeline'][1] and len(r[0]['timeline'][0]) == 8
+    if name == 'gpt2-tied':
+        assert 'tied, copied per stage: transformer.wte.weight (stage 0) = lm_head.weight (stage 1)' in text
+        errs = res[0][1]
+        assert errs == res[1][1]
+        assert "traced on microbatches of shape [(2, 16)], but this batch in 4 microbatches makes [(1, 16)]" \
+            in errs['shape']
+        assert "attention_mask has zeros (padding)" in errs['mask'] and "set the padded labels to -100" in errs['mask']
+        assert ("holds 'input_ids' (the first stage's input) and 'labels' (the targets of loss_fn); "
+                "got ['ids', 'labels']") in errs['keys']
+        assert "loss_fn=None: a pipeline computes the loss on its last stage" in errs['loss']
+        assert ("parameters shared between stages: transformer.wte.weight (stage 0) is lm_head.weight (stage 1). Pass "
+                "example=<one microbatch>" in errs['tied'])
+        assert "no split into 2 stages keeps units transformer.wte .. lm_head in one stage" in errs['tied']
+        assert ("GPT2LMHeadModel is not a chain of units: torch's tracer cut it, and traced stages run as traced, "
+                "with pipeline parallelism alone: drop activation_checkpointing") in errs['ac']
