@@ -246,7 +246,7 @@ def predict(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
     how = (f"{efficiency:.0%}" if isinstance(efficiency, (int, float)) else 'the given efficiencies' if efficiency
            else f"{EFFICIENCY:.0%} ({EFFICIENCY_SOURCE})")
     assume = [f"compute at {how} of each format's dense datasheet peak",
-              "communication not overlapped, at the link's datasheet bus bandwidth (nccl-tests semantics; ZeRO volumes)",
+              "communication not overlapped, at the link's datasheet bus bandwidth (nccl-tests busbw, ZeRO volumes)",
               "prices: " + ('given' if prices is not None else f"{PRICES['unit']}, {PRICES['date']}, {PRICES['note']}")]
     what = f"{tokens:.3g} tokens" if tokens is not None else f"{samples:.3g} samples"
     return Prediction(rows, what, assume)

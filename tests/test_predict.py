@@ -19,7 +19,7 @@ from dtnb.forecast import predict, Target
 
 SMALL = functools.partial(ToyModel, d_in=64, d=256, depth=2, d_out=64)   # measures the efficiency
 BIG = functools.partial(ToyModel, d_in=64, d=512, depth=2, d_out=64)     # is predicted
-BATCH = 128
+BATCH = 64
 
 
 def _cpu_times(fn, repeats, warmup=1):
@@ -69,9 +69,10 @@ def _measure(model_fns, rounds=2):
 
 def test_predicted_ddp_step_within_30_percent_of_measured_on_1_and_2_ranks():
     batch = (torch.randn(BATCH, 64), torch.randn(BATCH, 64))
+    eff_flops = step_flops(SMALL(), batch)  # imports torch._dynamo (4 s of CPU) once, here: the forked ranks inherit it
     (small, big1), = launch(_measure, [SMALL, BIG], nprocs=1, threads=1)
     big2 = launch(_measure, [BIG], nprocs=2, threads=1)
-    eff = step_flops(SMALL(), batch) / small['step'] / (small['peak'] * 1e12)   # MFU vs the measured matmul rate
+    eff = eff_flops / small['step'] / (small['peak'] * 1e12)   # MFU vs the measured matmul rate
     assert 0.3 < eff <= 1, eff
     for n, r in [(1, big1)] + [(2, rank[0]) for rank in big2]:   # each rank against its own figures
         here = DeviceSpec('this machine', dict(fp32=r['peak']), memory=8e9, busbw=r['busbw'] or 1.0, per_node=2)
