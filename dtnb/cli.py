@@ -94,8 +94,9 @@ def _predict(args, model):
     if not hasattr(model, 'seq_len'):
         if not args.seq_len: raise ValueError("--predict with --params needs --seq-len (tokens per sample)")
         batch = args.batch * args.seq_len
+    force = args.strategy and args.strategy + ' + checkpointing' * args.checkpoint + ' + offload' * args.offload
     r = predict(model, batch, samples=args.samples, tokens=args.tokens, targets=args.gpus.split(','),
-                prices=args.prices, efficiency=args.efficiency, optimizer=args.optimizer)
+                prices=args.prices, efficiency=args.efficiency, optimizer=args.optimizer, strategy=force or None)
     if args.plot:
         ax = r.plot(); ax.figure.tight_layout(); ax.figure.savefig(args.plot, dpi=120)
         print(f"wrote {args.plot}", file=sys.stderr)

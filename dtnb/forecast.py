@@ -139,15 +139,26 @@ def _step(t, e, fps, mb, shape, eff, microbatches):
     return flops / peak, comm, 0.0, off, n * mb
 
 # %% ../nbs/06c_forecast.ipynb #01d25cfd
-def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, loss_fn):
+def _choose(plan, strategy):
+    "Index of the estimate to use: the plan's choice, or the first fitting option labelled `strategy`"
+    if strategy is None: return plan.chosen
+    opts = [i for i, e in enumerate(plan.estimates) if e.label == strategy and (i or len(plan.estimates) < 2)]
+    if not opts: raise ValueError(f"strategy={strategy!r} is not an option of recommend's table: use one of "
+                                  f"{', '.join(dict.fromkeys(repr(e.label) for e in plan.estimates))}")
+    return next((i for i in opts if plan.estimates[i].total <= plan.budget), None)
+
+def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, loss_fn, strategy):
     "The prediction for target `t`: the plan, the step's parts, the run's hours and cost"
     plan = recommend(model, batch if hasattr(model, 'parameters') else None, world_size=t.count,
                      memory=t.spec.memory, optimizer=optimizer, precision=_PRECISION[t.dtype], shape=shape,
                      loss_fn=loss_fn or (default_loss if isinstance(batch, (tuple, list)) else None))
     row = dict(target=t.label, devices=t.count, device=t.spec.name, dtype=t.dtype, busbw=t.busbw,
                usd_hour=_price(prices, t.spec) * t.count, efficiency=eff, plan=plan.label, reason=plan.reason)
-    if plan.strategy is None: return row | dict(fits=False)
-    e = plan.estimates[plan.chosen]
+    chosen = _choose(plan, strategy)
+    if chosen is None:
+        if strategy: row |= dict(plan=strategy, reason=f"{strategy} does not fit in {fmt_bytes(plan.budget)}")
+        return row | dict(fits=False)
+    e = plan.estimates[chosen]; row['plan'] = e.label
     fps, mb, _ = flops_per_sample(shape if shape is not None and not hasattr(model, 'parameters') else model,
                                   batch, e.checkpoint, loss_fn)
     compute, comm, bubble, off, per_step = _step(t, e, fps, mb, shape, eff, microbatches)
@@ -222,6 +233,7 @@ def predict(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
             prices:dict|None=None, # device name -> USD per device-hour; default the dated `PRICES`
             efficiency:float|dict|None=None, # fraction of peak reached (per device name as a dict); default 0.4
             optimizer:str='adamw', microbatches:int|None=None, # pipeline micro-batches per step (default 4 x stages)
+            strategy:str|None=None, # an option of `recommend`'s table ('zero3', 'pipeline'...) instead of its choice
             loss_fn=None) -> Prediction:
     "Strategy, step time (compute, communication, bubble), wall time and cost of a training run on each target"
     shape = model if isinstance(model, TransformerShape) else None
@@ -239,7 +251,7 @@ def predict(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
     for t in ts:
         e = eff.get(t.spec.name, EFFICIENCY) if isinstance(eff, dict) else eff
         if not 0 < e <= 1: raise ValueError(f"efficiency={e} must be a fraction of peak in (0, 1], e.g. 0.4")
-        rows.append(_row(t, model, batch, shape, work, e, prices, optimizer, microbatches, loss_fn))
+        rows.append(_row(t, model, batch, shape, work, e, prices, optimizer, microbatches, loss_fn, strategy))
     if not any(r['fits'] for r in rows):
         raise ValueError("The model fits on none of the targets: " + '; '.join(f"{r['target']}: {r['reason']}"
                                                                                 for r in rows))
