@@ -124,7 +124,7 @@ def _add_plan(sub):
     p.add_argument('--memory', type=_size, help="per device: 80GB, 80GiB or bytes (8e10); default: detected")
     p.add_argument('--margin', type=float, default=0.1, help="fraction of device memory kept free")
     p.add_argument('--strategy', help="print the one estimate of this strategy instead of the plan: "
-                                      "single, ddp, zero1, zero2, zero3, fsdp")
+                                      "single, ddp, zero1, zero2, zero3, fsdp (with --predict: use it on every GPU)")
     p.add_argument('--checkpoint', action='store_true', help="with --strategy: activation checkpointing")
     p.add_argument('--offload', action='store_true', help="with --strategy: CPU offload")
     p.add_argument('--json', action='store_true', help="print as JSON")
