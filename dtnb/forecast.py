@@ -159,8 +159,7 @@ def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, los
         if strategy: row |= dict(plan=strategy, reason=f"{strategy} does not fit in {fmt_bytes(plan.budget)}")
         return row | dict(fits=False)
     e = plan.estimates[chosen]; row['plan'] = e.label
-    fps, mb, _ = flops_per_sample(shape if shape is not None and not hasattr(model, 'parameters') else model,
-                                  batch, e.checkpoint, loss_fn)
+    fps, mb, _ = flops_per_sample(model, batch, e.checkpoint, loss_fn)
     compute, comm, bubble, off, per_step = _step(t, e, fps, mb, shape, eff, microbatches)
     step = compute + comm + bubble + off
     steps = math.ceil(work / per_step)
@@ -194,16 +193,16 @@ class Prediction:
         return (f"{self.work}: cheapest {c['target']} (${c['usd']:,.0f}, {c['hours']:,.1f} h); "
                 f"fastest {f['target']} ({f['hours']:,.1f} h, ${f['usd']:,.0f})")
 
-    _cols = ('rank by cost', 'target', 'strategy', 'memory/device', 'compute', 'comm', 'bubble', 'step', 'hours',
-             'USD/hour', 'USD', 'Pareto')
+    _cols = ('by cost', 'by time', 'target', 'strategy', 'memory/device', 'compute', 'comm (+offload)', 'bubble',
+             'step', 'hours', 'USD/hour', 'USD', 'Pareto')
     def table(self) -> list:
-        front = {id(r) for r in self.pareto()}
-        rows = [(i + 1, r['target'], r['plan'], fmt_bytes(r['memory']), _fmt_s(r['compute_s']),
+        front, fast = {id(r) for r in self.pareto()}, {id(r): i + 1 for i, r in enumerate(self.by_time())}
+        rows = [(i + 1, fast[id(r)], r['target'], r['plan'], fmt_bytes(r['memory']), _fmt_s(r['compute_s']),
                  _fmt_s(r['comm_s'] + r['offload_s']), _fmt_s(r['bubble_s']), _fmt_s(r['step_s']),
                  f"{r['hours']:,.1f}", f"{r['usd_hour']:,.2f}", f"{r['usd']:,.0f}", '*' * (id(r) in front))
                 for i, r in enumerate(self.by_cost())]
-        return rows + [('-', r['target'], 'nothing fits', *['-'] * 7, f"{r['usd_hour']:,.2f}", '-', '')
-                       for r in self.rows if not r['fits']]
+        return rows + [('-', '-', r['target'], r['plan'] + ' (does not fit)' * (r['plan'] != 'nothing fits'),
+                        *['-'] * 7, f"{r['usd_hour']:,.2f}", '-', '') for r in self.rows if not r['fits']]
     def to_dict(self): return dict(work=self.work, assumptions=self.assumptions, rows=self.rows)
     def __str__(self):
         return '\n'.join([self.headline(), *[f"- {a}" for a in self.assumptions], '',
