@@ -38,32 +38,37 @@ def _shapes(model, b):
             + [(m.out_features, m.in_features, b) for m in lin])
 
 
-def _measure(model_fns, rounds=2):
+def _measure(model_fns, rounds=3):
     "In each rank, for each model: its matmul rate (TFLOPS), the all-reduce busbw at its gradients' size, its step"
     import torch.distributed as dist
     from dtnb.bench import bench_matmul
     from dtnb.collectives import _run_collective, busbw
     from dtnb.throughput import _train_step, default_loss
     from dtnb.ddp import wrap
-    n, out = dist.get_world_size(), []
+    n, cases = dist.get_world_size(), []
     for fn in model_fns:
         torch.manual_seed(0)
         model, x, y = fn(), torch.randn(BATCH, 64), torch.randn(BATCH, 64)
         shapes, grad = _shapes(model, BATCH), sum(p.numel() * 4 for p in model.parameters())
         model = wrap(model, 'ddp') if n > 1 else model
-        opt, buf = torch.optim.SGD(model.parameters(), lr=1e-4), torch.zeros(grad // 4)
-        r = dict(peak=[], busbw=[], step=[])
-        for _ in range(rounds):   # interleaved, so that each figure sees the same machine
-            mm = bench_matmul(['fp32'], sizes=shapes, repeats=3, warmup=1, clock='thread', threads=1, progress=False)
-            r['peak'].append(sum(2 * a * b * c for a, b, c in shapes) / sum(x['ms'] / 1e3 for x in mm.rows) / 1e12)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        step = lambda i, m=model, o=opt, x=x, y=y: _train_step(m, o, default_loss, x, y, None, torch.device('cpu'))
+        cases.append(dict(shapes=shapes, grad=grad, buf=torch.zeros(grad // 4), step=step, model=model, opt=opt,
+                          peak=[], busbw=[], steps=[]))
+    for _ in range(rounds):   # every model in every round, so that each figure sees the same machine
+        for c in cases:
+            mm = bench_matmul(['fp32'], sizes=c['shapes'], repeats=3, warmup=1, clock='thread', threads=1,
+                              progress=False)
+            c['peak'].append(sum(2 * a * b * k for a, b, k in c['shapes']) / sum(r['ms'] / 1e3 for r in mm.rows) / 1e12)
             if n > 1:
                 dist.barrier()
-                t = statistics.median(_cpu_times(lambda i: _run_collective('all_reduce', buf, buf), 5))
-                r['busbw'].append(busbw('all_reduce', grad, t, n))
+                t = statistics.median(_cpu_times(lambda i: _run_collective('all_reduce', c['buf'], c['buf']), 5))
+                c['busbw'].append(busbw('all_reduce', c['grad'], t, n))
             dist.barrier()
-            r['step'] += _cpu_times(lambda i: _train_step(model, opt, default_loss, x, y, None, torch.device('cpu')), 3)
-        out.append({k: statistics.median(v) if v else None for k, v in r.items()})
-        del model, opt
+            c['steps'] += _cpu_times(c['step'], 3)
+    out = [dict(peak=statistics.median(c['peak']), busbw=statistics.median(c['busbw']) if c['busbw'] else None,
+                step=statistics.median(c['steps'])) for c in cases]
+    del cases
     return out
 
 
