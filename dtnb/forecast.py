@@ -169,6 +169,7 @@ def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, los
 
 # %% ../nbs/06c_forecast.ipynb #2a582002
 def _fmt_s(s): return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+def _usd(x): return f"{x:,.0f}" if x >= 100 else f"{x:.2f}"
 
 @dataclass
 class Prediction:
@@ -190,8 +191,8 @@ class Prediction:
 
     def headline(self) -> str:
         c, f = self.by_cost()[0], self.by_time()[0]
-        return (f"{self.work}: cheapest {c['target']} (${c['usd']:,.0f}, {c['hours']:,.1f} h); "
-                f"fastest {f['target']} ({f['hours']:,.1f} h, ${f['usd']:,.0f})")
+        return (f"{self.work}: cheapest {c['target']} (${_usd(c['usd'])}, {c['hours']:,.1f} h); "
+                f"fastest {f['target']} ({f['hours']:,.1f} h, ${_usd(f['usd'])})")
 
     _cols = ('by cost', 'by time', 'target', 'strategy', 'memory/device', 'compute', 'comm (+offload)', 'bubble',
              'step', 'hours', 'USD/hour', 'USD', 'Pareto')
@@ -199,7 +200,7 @@ class Prediction:
         front, fast = {id(r) for r in self.pareto()}, {id(r): i + 1 for i, r in enumerate(self.by_time())}
         rows = [(i + 1, fast[id(r)], r['target'], r['plan'], fmt_bytes(r['memory']), _fmt_s(r['compute_s']),
                  _fmt_s(r['comm_s'] + r['offload_s']), _fmt_s(r['bubble_s']), _fmt_s(r['step_s']),
-                 f"{r['hours']:,.1f}", f"{r['usd_hour']:,.2f}", f"{r['usd']:,.0f}", '*' * (id(r) in front))
+                 f"{r['hours']:,.1f}", f"{r['usd_hour']:,.2f}", _usd(r['usd']), '*' * (id(r) in front))
                 for i, r in enumerate(self.by_cost())]
         return rows + [('-', '-', r['target'], r['plan'] + ' (does not fit)' * (r['plan'] != 'nothing fits'),
                         *['-'] * 7, f"{r['usd_hour']:,.2f}", '-', '') for r in self.rows if not r['fits']]
