@@ -5,6 +5,9 @@ Times are CPU time of each rank's process (all its threads, gloo's included), no
 with other jobs (load 9 to 13 on 2 cores while this was written), and wall time there measures the queue, not the
 step. On a quiet machine the two agree on one rank; on two, wall time adds the ranks' waits for each other.
 
+Each figure is the least disturbed of several (the fastest matmuls, all-reduce and step), interleaved round by
+round: other jobs only ever add time, also to CPU time (two vCPUs may share a core and its caches).
+
 The efficiency is measured here, on another model: the MFU against the measured matmul rate of a smaller `ToyModel`
 on one rank (about 0.75 here: the step's elementwise work, LayerNorm, GELU, the optimizer, and the transposed weight
 layouts of `nn.Linear`, which the contiguous `bench_matmul` does not see). The check is then of what `predict` adds:
@@ -59,15 +62,16 @@ def _measure(model_fns, rounds=3):
         for c in cases:
             mm = bench_matmul(['fp32'], sizes=c['shapes'], repeats=3, warmup=1, clock='thread', threads=1,
                               progress=False)
-            c['peak'].append(sum(2 * a * b * k for a, b, k in c['shapes']) / sum(r['ms'] / 1e3 for r in mm.rows) / 1e12)
+            best = sum(2 * r['m'] * r['n'] * r['k'] / r['tflops_best'] for r in mm.rows)   # each shape's fastest call
+            c['peak'].append(sum(2 * a * b * k for a, b, k in c['shapes']) / best)
             if n > 1:
                 dist.barrier()
-                t = statistics.median(_cpu_times(lambda i: _run_collective('all_reduce', c['buf'], c['buf']), 5))
+                t = min(_cpu_times(lambda i: _run_collective('all_reduce', c['buf'], c['buf']), 5))
                 c['busbw'].append(busbw('all_reduce', c['grad'], t, n))
             dist.barrier()
             c['steps'] += _cpu_times(c['step'], 3)
-    out = [dict(peak=statistics.median(c['peak']), busbw=statistics.median(c['busbw']) if c['busbw'] else None,
-                step=statistics.median(c['steps'])) for c in cases]
+    out = [dict(peak=max(c['peak']), busbw=max(c['busbw']) if c['busbw'] else None, step=min(c['steps']))
+           for c in cases]
     del cases
     return out
 
