@@ -168,6 +168,13 @@ def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, los
                       step_s=step, samples_per_step=per_step, steps=steps, hours=hours, usd=hours * row['usd_hour'])
 
 # %% ../nbs/06c_forecast.ipynb #2a582002
+def _log_axis(ax, axis):
+    "A log scale on `axis` ('x' or 'y') labelled 1, 2, 5, 10, 20..."
+    from matplotlib.ticker import LogLocator, ScalarFormatter, NullFormatter
+    getattr(ax, f'set_{axis}scale')('log'); a = getattr(ax, f'{axis}axis')
+    a.set_major_locator(LogLocator(subs=(1, 2, 5))); a.set_major_formatter(ScalarFormatter())
+    a.set_minor_formatter(NullFormatter())
+
 def _fmt_s(s): return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 def _usd(x): return f"{x:,.0f}" if x >= 100 else f"{x:.2f}"
 
@@ -221,6 +228,9 @@ class Prediction:
         ax.plot([r['hours'] for r in front], [r['usd'] for r in front], 'o-', color='C3', label='Pareto front')
         for r in rs: ax.annotate(r['target'], (r['hours'], r['usd']), fontsize=8, xytext=(4, 4),
                                  textcoords='offset points')
+        for k, axis in (('hours', 'x'), ('usd', 'y')):  # log scales when the targets span more than 10x
+            v = [r[k] for r in rs]
+            if max(v) > 10 * min(v): _log_axis(ax, axis)
         ax.set_xlabel('wall time (hours)'); ax.set_ylabel('USD per experiment'); ax.legend(fontsize=8)
         return ax
 
