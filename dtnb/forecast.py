@@ -100,6 +100,7 @@ EFFICIENCY = 0.4
 EFFICIENCY_SOURCE = ("the MFU published for large runs: Llama 3 38-43% on H100 (arXiv:2407.21783, Table 4), "
                      "PaLM 46.2%, MT-NLG 30.2%, GPT-3 21.3% (arXiv:2204.02311, Table 3)")
 PRICES = dict(date='2024-06', note='list prices, check yours', unit='USD per GPU-hour, on demand',
+              how='recalled from the providers\' public price pages around June 2024, not re-checked',
               prices=dict(PRICE_EXAMPLES['prices'], **{'H100 PCIe': 2.49, 'V100 SXM2 16GB': 3.06,
                           'V100 SXM2 32GB': 3.90, 'L4': 0.80, 'L40S': 1.86, 'RTX 4090': 0.69}),
               sources={'H100 SXM, A100 SXM 80GB/40GB, H100 PCIe': 'Lambda GPU Cloud on-demand',
