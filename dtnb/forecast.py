@@ -208,7 +208,7 @@ class Prediction:
         front, fast = {id(r) for r in self.pareto()}, {id(r): i + 1 for i, r in enumerate(self.by_time())}
         rows = [(i + 1, fast[id(r)], r['target'], r['plan'], fmt_bytes(r['memory']), _fmt_s(r['compute_s']),
                  _fmt_s(r['comm_s'] + r['offload_s']), _fmt_s(r['bubble_s']), _fmt_s(r['step_s']),
-                 f"{r['hours']:,.1f}", f"{r['usd_hour']:,.2f}", _usd(r['usd']), '*' * (id(r) in front))
+                 f"{r['hours']:,.1f}", f"{r['usd_hour']:,.2f}", _usd(r['usd']), 'yes' * (id(r) in front))
                 for i, r in enumerate(self.by_cost())]
         return rows + [('-', '-', r['target'], r['plan'] + ' (does not fit)' * (r['plan'] != 'nothing fits'),
                         *['-'] * 7, f"{r['usd_hour']:,.2f}", '-', '') for r in self.rows if not r['fits']]
