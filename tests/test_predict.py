@@ -9,7 +9,7 @@ Each figure is the least disturbed of several (the fastest matmuls, all-reduce a
 round: other jobs only ever add time, also to CPU time (two vCPUs may share a core and its caches).
 
 The efficiency is measured here, on another model: the MFU against the measured matmul rate of a smaller `ToyModel`
-on one rank (about 0.75 here: the step's elementwise work, LayerNorm, GELU, the optimizer, and the transposed weight
+on one rank (0.65 to 0.78 here: the step's elementwise work, LayerNorm, GELU, the optimizer, and the transposed weight
 layouts of `nn.Linear`, which the contiguous `bench_matmul` does not see). The check is then of what `predict` adds:
 FLOPs scaled to another model, and DDP's all-reduce from the ZeRO paper's volume over the measured busbw."""
 import functools, statistics, time
