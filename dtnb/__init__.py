@@ -23,6 +23,7 @@ _API = '''
     profile_loader input_bound tune_loader loader_report SyntheticDataset StepTimer
     bench_matmul bench_memory bench_collectives bench_model bench_scaling bench_all cost_per_experiment BenchResult
     time_fn
+    predict Prediction Target device_spec DeviceSpec
     report
 '''.split()
 

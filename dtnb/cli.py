@@ -59,6 +59,7 @@ def _report(args):
 def _plan(args):
     from dtnb.memory import recommend, estimate_memory, TransformerShape
     dims = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len)
+    if args.predict and args.params and not args.layers: return _predict(args, args.params)
     if any(dims.values()) and not all(dims.values()):
         raise ValueError("a transformer shape needs all of --layers, --hidden, --heads and --seq-len")
     shape = TransformerShape(**dims, batch=args.batch, vocab=args.vocab) if all(dims.values()) else None
@@ -66,6 +67,7 @@ def _plan(args):
     if model is None:
         raise ValueError("give --params (e.g. --params 7.5e9) or a transformer shape "
                          "(--layers --hidden --heads --seq-len)")
+    if args.predict: return _predict(args, shape)
     if args.strategy:
         r = estimate_memory(model, args.strategy, args.world_size or 1, args.optimizer, args.precision or 'fp32',
                             shape=shape,
@@ -74,6 +76,30 @@ def _plan(args):
         r = recommend(model, shape=shape, world_size=args.world_size, optimizer=args.optimizer,
                       precision=args.precision,
                       memory=args.memory, margin=args.margin)
+    print(json.dumps(r.to_dict(), indent=2) if args.json else r)
+    return 0
+
+def _prices(s):
+    "An argparse type: {device: USD per hour} from 'H100=2.5,A100=1.3'"
+    try: return {k.strip(): float(v) for k, v in (kv.split('=') for kv in s.split(','))}
+    except ValueError: raise argparse.ArgumentTypeError(f"Cannot read prices from {s!r}: write NAME=USD,NAME=USD, "
+                                                        "e.g. H100=2.5,A100=1.3") from None
+
+def _predict(args, model):
+    "`dtnb plan --predict`: `predict` for a shape, or for --params with --seq-len (tokens per device: batch x seq)"
+    from dtnb.forecast import predict
+    if args.samples is None and args.tokens is None:
+        raise ValueError("--predict needs the run's size: --tokens (e.g. 2e10) or --samples")
+    batch = None
+    if not hasattr(model, 'seq_len'):
+        if not args.seq_len: raise ValueError("--predict with --params needs --seq-len (tokens per sample)")
+        batch = args.batch * args.seq_len
+    force = args.strategy and args.strategy + ' + checkpointing' * args.checkpoint + ' + offload' * args.offload
+    r = predict(model, batch, samples=args.samples, tokens=args.tokens, targets=args.gpus.split(','),
+                prices=args.prices, efficiency=args.efficiency, optimizer=args.optimizer, strategy=force or None)
+    if args.plot:
+        ax = r.plot(); ax.figure.tight_layout(); ax.figure.savefig(args.plot, dpi=120)
+        print(f"wrote {args.plot}", file=sys.stderr)
     print(json.dumps(r.to_dict(), indent=2) if args.json else r)
     return 0
 
@@ -98,10 +124,17 @@ def _add_plan(sub):
     p.add_argument('--memory', type=_size, help="per device: 80GB, 80GiB or bytes (8e10); default: detected")
     p.add_argument('--margin', type=float, default=0.1, help="fraction of device memory kept free")
     p.add_argument('--strategy', help="print the one estimate of this strategy instead of the plan: "
-                                      "single, ddp, zero1, zero2, zero3, fsdp")
+                                      "single, ddp, zero1, zero2, zero3, fsdp (with --predict: use it on every GPU)")
     p.add_argument('--checkpoint', action='store_true', help="with --strategy: activation checkpointing")
     p.add_argument('--offload', action='store_true', help="with --strategy: CPU offload")
     p.add_argument('--json', action='store_true', help="print as JSON")
+    q = p.add_argument_group('prediction', "--predict: step time, wall time and cost on each GPU of --gpus")
+    q.add_argument('--predict', action='store_true', help="predict the run on each of --gpus instead")
+    q.add_argument('--gpus', default='H100x8,A100x8,V100x4', help="targets: NAMExCOUNT[:dtype], comma-separated")
+    q.add_argument('--tokens', type=float, help="tokens the run processes"); q.add_argument('--samples', type=float)
+    q.add_argument('--prices', type=_prices, help="USD per GPU-hour, e.g. H100=2.5,A100=1.3 (default: dated list)")
+    q.add_argument('--efficiency', type=float, help="fraction of the dense peak reached (default 0.4, published MFU)")
+    q.add_argument('--plot', metavar='FILE', help="save cost vs time with the Pareto front to FILE (.png)")
     p.set_defaults(func=_plan)
 
 # %% ../nbs/10_cli.ipynb #fe8af7bd

@@ -7,9 +7,10 @@ Docs: https://dtnb-dev.github.io/dtnb/specs.html.md"""
 # %% ../nbs/00_specs.ipynb #6abd9b30
 from __future__ import annotations
 import re
+from dataclasses import dataclass, asdict
 
 # %% auto #0
-__all__ = ['PEAK_TFLOPS', 'capability_features', 'peak_tflops']
+__all__ = ['PEAK_TFLOPS', 'DEVICES', 'DEVICE_ALIASES', 'capability_features', 'peak_tflops', 'DeviceSpec', 'device_spec']
 
 # %% ../nbs/00_specs.ipynb #341ba9c8
 def capability_features(major:int, minor:int=0) -> dict:
@@ -44,6 +45,8 @@ PEAK_TFLOPS = [  # (name regex, label, {dtype: TFLOPS}, source)
     (r'V100.*SXM', 'V100 SXM2', dict(fp64=7.8, fp32=15.7, fp16=125.0), 'NVIDIA V100 datasheet (SXM2)'),
     (r'V100.*PCIE', 'V100 PCIe', dict(fp64=7.0, fp32=14.0, fp16=112.0), 'NVIDIA V100 datasheet (PCIe)'),
     (r'\bT4\b', 'T4', dict(fp32=8.1, fp16=65.0), 'NVIDIA T4 datasheet'),
+    (r'RTX 4090', 'RTX 4090', dict(fp32=82.6, tf32=82.6, bf16=165.2, fp16=165.2, fp8=330.3),
+     'NVIDIA Ada GPU architecture whitepaper v2.1, Appendix A (RTX 4090): tensor TFLOPS with FP32 accumulate, dense'),
     (r'MI300X', 'MI300X',
      dict(fp64=163.4, fp32=163.4, tf32=653.7, bf16=1307.4, fp16=1307.4, fp8=2614.9),
      'AMD Instinct MI300X datasheet, dense'),
@@ -54,3 +57,52 @@ def peak_tflops(name:str) -> tuple[dict, str|None]:
     for pat, label, peaks, src in PEAK_TFLOPS:
         if re.search(pat, name, re.I): return dict(peaks), f"{label}: {src}"
     return {}, None
+
+# %% ../nbs/00_specs.ipynb #f4e3d826
+DEVICES = {  # label: (memory GB, memory GB/s, link, busbw GB/s per direction, host GB/s, per node, source)
+    'V100 SXM2 16GB': (16, 900, 'NVLink 2', 150, 16, 8, 'NVIDIA V100 datasheet (SXM2: NVLink 300 GB/s, PCIe 3.0)'),
+    'V100 SXM2 32GB': (32, 900, 'NVLink 2', 150, 16, 8, 'NVIDIA V100 datasheet (SXM2: NVLink 300 GB/s, PCIe 3.0)'),
+    'A100 SXM 40GB': (40, 1555, 'NVLink 3', 300, 32, 8, 'NVIDIA A100 datasheet (SXM4: NVLink 600 GB/s, PCIe 4.0)'),
+    'A100 SXM 80GB': (80, 2039, 'NVLink 3', 300, 32, 8, 'NVIDIA A100 datasheet (SXM4: NVLink 600 GB/s, PCIe 4.0)'),
+    'H100 SXM': (80, 3350, 'NVLink 4', 450, 64, 8, 'NVIDIA H100 datasheet (SXM5: NVLink 900 GB/s, PCIe 5.0)'),
+    'H100 PCIe': (80, 2000, 'PCIe 5.0 x16', 64, 64, 8,
+                  'NVIDIA H100 datasheet (PCIe: 128 GB/s PCIe 5.0; NVLink bridges join pairs only)'),
+    'H200 SXM': (141, 4800, 'NVLink 4', 450, 64, 8, 'NVIDIA H200 datasheet (SXM: NVLink 900 GB/s, PCIe 5.0)'),
+    'L4': (24, 300, 'PCIe 4.0 x16', 32, 32, 8, 'NVIDIA L4 datasheet (PCIe 4.0 x16 64 GB/s, no NVLink)'),
+    'L40S': (48, 864, 'PCIe 4.0 x16', 32, 32, 8, 'NVIDIA L40S datasheet (PCIe 4.0 x16 64 GB/s, no NVLink)'),
+    'RTX 4090': (24, 1008, 'PCIe 4.0 x16', 32, 32, 8,
+                 'NVIDIA Ada whitepaper v2.1 (RTX 4090: 24 GB GDDR6X, 1008 GB/s, PCIe 4.0, no NVLink)'),
+}
+DEVICE_ALIASES = {'V100': 'V100 SXM2 32GB', 'V100-16GB': 'V100 SXM2 16GB', 'A100': 'A100 SXM 80GB',
+                  'A100-40GB': 'A100 SXM 40GB', 'H100': 'H100 SXM', 'H200': 'H200 SXM', '4090': 'RTX 4090'}
+
+# %% ../nbs/00_specs.ipynb #89625457
+@dataclass(frozen=True)
+class DeviceSpec:
+    "What a prediction needs to know about one kind of device, and where the figures come from"
+    name: str
+    tflops: dict             # dense TFLOPS per number format ('fp32', 'tf32', 'bf16', 'fp16', 'fp8')
+    memory: float            # bytes of device memory
+    busbw: float             # GB/s between devices of one node, per direction (nccl-tests' bus bandwidth)
+    memory_bw: float = 0.0   # GB/s of device memory bandwidth (0: unknown)
+    link: str = ''           # the interconnect, e.g. 'NVLink 4'
+    host_bw: float = 0.0     # GB/s to the host, per direction (CPU offload); 0: unknown
+    per_node: int = 8        # devices one server holds
+    source: str = ''
+
+    def to_dict(self): return asdict(self)
+
+def _key(name): return re.sub(r'[\s_-]', '', str(name)).lower()
+
+def device_spec(name) -> DeviceSpec:
+    "The `DeviceSpec` of a device in `DEVICES` (or `DEVICE_ALIASES`); a ValueError naming the known ones otherwise"
+    if isinstance(name, DeviceSpec): return name
+    known = {_key(k): k for k in DEVICES} | {_key(a): k for a, k in DEVICE_ALIASES.items()}
+    label = known.get(_key(name))
+    if label is None:
+        raise ValueError(f"Unknown device {name!r}: dtnb has datasheet figures for {', '.join(DEVICES)} "
+                         f"(short names: {', '.join(f'{a}={k}' for a, k in DEVICE_ALIASES.items())}); "
+                         "for another device write a DeviceSpec(name, tflops, memory, busbw, ...) with its figures")
+    gb, mem_bw, link, bus, host, per_node, src = DEVICES[label]
+    peaks, psrc = peak_tflops(label)
+    return DeviceSpec(label, peaks, gb * 1e9, bus, mem_bw, link, host, per_node, f"{psrc}; {src}")
