@@ -410,7 +410,7 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
     if hasattr(pending, 'wait'): pending.wait()  # the last checkpoint is complete when fit returns
     flush()
     bar.close()
-    res.steps, res.samples, res.data_wait_s = stats['steps'], samples, stats['wait']
+    res.steps, res.samples, res.data_wait_s = step, samples, stats['wait']
     res.seconds = time.perf_counter() - t0
     res.stopped = state.stop
     _call(callbacks, 'on_fit_end', state)
