@@ -262,13 +262,13 @@ def _check_args(accumulate, every, scheduler, scheduler_interval, val_every, val
     if step_fn is not None and (loss_fn is not None or keys is not None):
         raise ValueError("step_fn computes the loss itself: pass step_fn, or loss_fn/keys, not both")
 
-def _compile(model, strategy) -> list:
+def _compile(model, strategy, options=None) -> list:
     "torch.compile each block of `model` in place (the whole model if it has none); returns the block names"
     if strategy == 'pipeline': raise ValueError("compile=True does not apply to a pipeline: compile its stages")
-    m = model.module if strategy == 'ddp' else model
+    m, options = model.module if strategy == 'ddp' else model, options or {}
     blocks = find_blocks(m)
-    for name in blocks: m.get_submodule(name).compile()
-    if not blocks: m.compile()
+    for name in blocks: m.get_submodule(name).compile(**options)
+    if not blocks: m.compile(**options)
     return blocks
 
 @dataclass
@@ -324,7 +324,7 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
         val_interval:str='epoch',  #   ... 'epoch's or 'step's
         callbacks=(),              # objects with on_fit_start/on_step_end/on_validation_end/on_fit_end(state)
         log_every:int=10,          # with callbacks: bring the history up to date every `log_every` steps
-        compile:bool=False,        # torch.compile each block of the model, after wrapping
+        compile:bool|dict=False,   # torch.compile each block, after wrapping; a dict: torch.compile's options
         ) -> FitResult:
     "Train `model` on `loader`; returns per-step losses (mean over ranks), lr, grad norm, validations and throughput"
     _check_args(accumulate, every, scheduler, scheduler_interval, val_every, val_interval, loader, step_fn, loss_fn,
@@ -336,7 +336,7 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
     for l, what in ((loader, 'loader'), (val_loader, 'val_loader')): _check_loader(l, strategy, what)
     check_optimizer(model, optimizer)  # an optimizer built before sharding would silently train nothing
     _place(model, optimizer, device, strategy)
-    if compile: _compile(model, strategy)
+    if compile: _compile(model, strategy, compile if isinstance(compile, dict) else None)
     scaler = torch.amp.GradScaler(device.type) if precision == 'fp16-mixed' else None
     fwd = lambda m, b: _forward(m, b, loss_fn, step_fn, keys)
     res, start, hist = FitResult(strategy=strategy), 0, {}
