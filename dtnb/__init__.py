@@ -1,10 +1,3 @@
-"""Take PyTorch training from one device to many: detect, plan, launch, wrap, fit, profile, benchmark, report.
-
-Modules:
-
-- `dtnb.batches`: What `fit` does with a batch: any structure in, a loss out (or an error naming the fix); validation that counts each sample once over the ranks; the guard rails against silent data traps.
-- `dtnb.train`: `fit`: one loop for every strategy: any batch, validation and metrics, schedules, callbacks, mixed precision, accumulation, clipping, compile, exact resumes and throughput."""
-
 __version__ = "0.1.0"
 
 # The public API, imported on first use so that `import dtnb` stays cheap (heavy torch.distributed submodules load

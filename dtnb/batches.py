@@ -1,5 +1,4 @@
-"""What `fit` does with a batch: any structure in, a loss out (or an error naming the fix); validation that counts
-each sample once over the ranks; the guard rails against silent data traps.
+"""What `fit` does with a batch: any structure to a loss, validation that counts each sample once, guard rails.
 
 Docs: https://dtnb-dev.github.io/dtnb/batches.html.md"""
 

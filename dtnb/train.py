@@ -1,5 +1,4 @@
-"""`fit`: one loop for every strategy: any batch, validation and metrics, schedules, callbacks, mixed precision,
-accumulation, clipping, compile, exact resumes and throughput.
+"""`fit`: one loop for every strategy: any batch, validation, schedules, callbacks, compile, exact resumes.
 
 Docs: https://dtnb-dev.github.io/dtnb/train.html.md"""
 
