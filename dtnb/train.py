@@ -248,9 +248,9 @@ def _progress(progress, loader, epochs, max_steps, accumulate, start=0, lines=No
 
 # %% ../nbs/04d_train.ipynb #cc0a4a82
 def _check_args(accumulate, every, scheduler, scheduler_interval, val_every, val_interval, loader, step_fn, loss_fn,
-                keys):
+                keys, log_every=1):
     if accumulate < 1: raise ValueError(f"accumulate={accumulate} must be >= 1")
-    for name, v in (('every', every), ('val_every', val_every)):
+    for name, v in (('every', every), ('val_every', val_every), ('log_every', log_every)):
         if v is not None and (not isinstance(v, int) or v < 1):
             raise ValueError(f"{name}={v!r} must be a whole number of steps >= 1")
     for name, v in (('scheduler_interval', scheduler_interval), ('val_interval', val_interval)):
@@ -327,7 +327,7 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
         ) -> FitResult:
     "Train `model` on `loader`; returns per-step losses (mean over ranks), lr, grad norm, validations and throughput"
     _check_args(accumulate, every, scheduler, scheduler_interval, val_every, val_interval, loader, step_fn, loss_fn,
-                keys)
+                keys, log_every)
     precision = _precision(model, precision)  # checks the name before any work
     device, strategy = current_device(), _strategy_name(model)
     if strategy == 'pipeline' and val_loader is not None: raise ValueError("fit validates no pipeline yet")
