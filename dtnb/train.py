@@ -261,6 +261,14 @@ def _check_args(accumulate, every, scheduler, scheduler_interval, val_every, val
     if step_fn is not None and (loss_fn is not None or keys is not None):
         raise ValueError("step_fn computes the loss itself: pass step_fn, or loss_fn/keys, not both")
 
+def _check_lr_drop(first, optimizer, scheduler_interval):
+    "Warn when a schedule stepped per step took the learning rate to almost nothing within the first epoch"
+    lr, first_lr = float(optimizer.param_groups[0]['lr']), first[0] if first else 0.0
+    if scheduler_interval == 'step' and first_lr and lr < 1e-6 * first_lr:
+        warnings.warn(f"the learning rate fell from {first_lr:.3g} to {lr:.3g} in the first epoch: a per-epoch "
+                      "schedule (StepLR, ExponentialLR, ...) stepped after every step? pass scheduler_interval='epoch'",
+                      stacklevel=3)
+
 def _compile(model, strategy, options=None) -> list:
     "torch.compile each block of `model` in place (the whole model if it has none); returns the block names"
     if strategy == 'pipeline': raise ValueError("compile=True does not apply to a pipeline: compile its stages")
@@ -380,6 +388,8 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
             if skip_end: skip_end = False; continue
             state.epoch += 1
             if scheduler is not None and scheduler_interval == 'epoch': scheduler.step()
+            if scheduler is not None and state.epoch == 1: _check_lr_drop(res.lrs[:1] or pend['lr'][:1], optimizer,
+                                                                          scheduler_interval)
             if val_loader is not None and val_interval == 'epoch' and state.epoch % val_every == 0 and validate():
                 break
             continue
