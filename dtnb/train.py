@@ -1,4 +1,4 @@
-"""`fit`: one loop for every strategy, with mixed precision, accumulation, clipping, exact resumes and throughput.
+"""`fit`: one loop for every strategy: any batch, validation, schedules, callbacks, compile, exact resumes.
 
 Docs: https://dtnb-dev.github.io/dtnb/train.html.md"""
 
@@ -6,24 +6,26 @@ Docs: https://dtnb-dev.github.io/dtnb/train.html.md"""
 
 # %% ../nbs/04d_train.ipynb #c002
 from __future__ import annotations
-import time, contextlib
+import os, time, contextlib, warnings
 from dataclasses import dataclass, field, asdict
 import torch
 from torch import nn
 from .launcher import world_size, is_main, current_device
-from .utils import md_table, text_table, to_device, tree_map_tensors, progress_bar, check_precision, autocast
+from .utils import md_table, text_table, to_device, progress_bar, check_precision, autocast
+from .batches import _cast_inputs, _forward, _batch_size, _check_loader, _check_fp16, _as_metrics, evaluate
+from .models import find_blocks
 from .fsdp import check_optimizer
 from .resume import resumable
 from .checkpoint import latest_checkpoint, save_checkpoint, checkpoint_path
 from .load import load_checkpoint
 
 # %% auto #0
-__all__ = ['FitResult', 'fit']
+__all__ = ['FitResult', 'FitState', 'fit']
 
 # %% ../nbs/04d_train.ipynb #c007
 @dataclass
 class FitResult:
-    "What a `fit` run did: losses per step (mean over data-parallel ranks), time and throughput"
+    "What a `fit` run did: per-step losses (mean over data-parallel ranks), learning rates, gradient norms, validations"
     losses: list = field(default_factory=list)
     steps: int = 0
     samples: int = 0         # samples over all ranks
@@ -32,19 +34,33 @@ class FitResult:
     strategy: str = ''
     start_step: int = 0       # the step this run started from (> 0 when it resumed from a checkpoint)
     resumed_from: str = ''    # the checkpoint it resumed from
+    lrs: list = field(default_factory=list)          # learning rate of each step (the first parameter group's)
+    grad_norms: list = field(default_factory=list)   # gradient norm of each step, before clipping
+    validations: list = field(default_factory=list)  # one dict per validation: step, epoch, val_loss, metrics
+    stopped: str = ''         # why training stopped early (a callback's reason), if it did
 
     @property
     def samples_per_s(self): return self.samples / self.seconds if self.seconds else 0.0
 
     def to_dict(self): return {**asdict(self), 'samples_per_s': self.samples_per_s}
 
+    def history(self, start:int=0) -> list:
+        "One dict per step from index `start`: step, loss, lr, grad_norm, and the metrics of a validation at that step"
+        val = {v['step']: {k: x for k, x in v.items() if k not in ('step', 'epoch')} for v in self.validations}
+        at = lambda xs, i: xs[i] if i < len(xs) else None
+        return [dict(step=i + 1, loss=self.losses[i], lr=at(self.lrs, i), grad_norm=at(self.grad_norms, i),
+                     **val.get(i + 1, {})) for i in range(start, len(self.losses))]
+
     def _rows(self):
         first, last = (f"{self.losses[0]:.4f}", f"{self.losses[-1]:.4f}") if self.losses else ('-', '-')
         wait = f"{100 * self.data_wait_s / self.seconds:.0f}%" if self.seconds else '-'
+        val = ', '.join(f"{k} {v:.4g}" for k, v in self.validations[-1].items() if k not in ('step', 'epoch')
+                        ) if self.validations else '-'
         return [(self.strategy or 'model', self.steps, first, last, f"{self.samples_per_s:,.0f}",
-                 f"{self.seconds:.2f}", wait)]
+                 f"{self.seconds:.2f}", wait, val)]
 
-    _cols = ('strategy', 'steps', 'first loss', 'last loss', 'samples/s', 'seconds', 'waiting for data')
+    _cols = ('strategy', 'steps', 'first loss', 'last loss', 'samples/s', 'seconds', 'waiting for data',
+             'last validation')
     def _repr_markdown_(self): return md_table(self._cols, self._rows())
     def __str__(self): return text_table(self._cols, self._rows())
 
@@ -63,13 +79,7 @@ def _precision(model, precision) -> str:
                          "the optimizer, or use 'bf16-mixed' (autocast)")
     return p
 
-def _cast_inputs(batch, precision):
-    "For 'bf16-true': the batch with its floating-point inputs in bf16 (the targets unchanged)"
-    if precision != 'bf16-true': return batch
-    x, *rest = batch
-    return (tree_map_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, x), *rest)
-
-# %% ../nbs/04d_train.ipynb #d80c766d
+# %% ../nbs/04d_train.ipynb #d5fd7aef
 def _no_sync(model, last):
     "Context that skips gradient sync on all but the last micro-batch (DDP and FSDP2)"
     if last: return contextlib.nullcontext()
@@ -83,39 +93,55 @@ def _no_sync(model, last):
         return fsdp_no_sync()
     return contextlib.nullcontext()
 
-def _micro_step(model, batch, loss_fn, device, precision, scaler, accumulate, last):
-    "Forward and backward of one micro-batch; returns the (unscaled) loss"
-    x, y = batch
+def _micro_step(model, batch, fwd, device, precision, scaler, accumulate, last):
+    "Forward (`fwd(model, batch)` -> (loss, ...)) and backward of one micro-batch; returns the (unscaled) loss"
     with _no_sync(model, last):
-        with autocast(device, precision): loss = loss_fn(model(x), y)
+        with autocast(device, precision): loss = fwd(model, batch)[0]
         l = loss / accumulate if accumulate > 1 else loss  # no extra op (and backward node) for the common case
         (scaler.scale(l) if scaler is not None else l).backward()
     return loss.detach()
 
+def _grad_norm(model, clip):
+    "The gradient norm over the whole model before clipping, clipping to `clip` if given (None: a pipeline, no clip)"
+    if hasattr(model, 'clip_grad_norm_'):  # a pipeline: the norm over all its stages (a collective)
+        return model.clip_grad_norm_(clip) if clip is not None else None
+    params = [p for p in model.parameters() if p.grad is not None]
+    n = (torch.nn.utils.get_total_norm([p.grad for p in params]) if clip is None
+         else torch.nn.utils.clip_grad_norm_(params, clip))
+    return n.full_tensor() if hasattr(n, 'full_tensor') else n
+
 def _opt_step(model, optimizer, scaler, clip):
+    "Unscale, clip, step and zero the gradients; returns the gradient norm before clipping"
     if scaler is not None: scaler.unscale_(optimizer)
-    if clip is not None:  # a pipeline clips by the norm over all its stages, not this rank's alone
-        if hasattr(model, 'clip_grad_norm_'): model.clip_grad_norm_(clip)
-        else: torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    norm = _grad_norm(model, clip)
     if scaler is not None: scaler.step(optimizer); scaler.update()
     else: optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return norm
 
 # %% ../nbs/04d_train.ipynb #c010
+def _at_end(loader, served) -> bool:
+    "Whether `loader`'s current pass is exhausted after `served` batches (a resumed loader counts its position)"
+    try: return getattr(loader, 'offset', served) >= len(loader)
+    except TypeError: return False
+
 def _batches(loader, epochs, max_steps, accumulate, stats):
-    "Yield lists of `accumulate` micro-batches, timing the wait for each"
+    "Yield lists of `accumulate` micro-batches, timing the wait for each, and None at the end of each epoch"
     for _ in range(epochs):
-        it, group = iter(loader), []
+        it, group, served = iter(loader), [], 0
         while True:
             t = time.perf_counter()
             try: b = next(it)
             except StopIteration: break
             stats['wait'] += time.perf_counter() - t
-            group.append(b)
+            group.append(b); served += 1
             if len(group) == accumulate:
                 yield group; group = []
                 stats['steps'] += 1
-                if max_steps is not None and stats['steps'] >= max_steps: return
+                if max_steps is not None and stats['steps'] >= max_steps:
+                    if _at_end(loader, served): yield None
+                    return
+        yield None
 
 # %% ../nbs/04d_train.ipynb #c008
 def _strategy_name(model):
@@ -139,19 +165,41 @@ def _step_losses(losses, strategy) -> list:
     return _mean_over_ranks(losses) if strategy != 'pipeline' else [float(l) for l in losses]
 
 # %% ../nbs/04d_train.ipynb #c012
-def _resume(checkpoint_dir, model, optimizer, loader, scheduler, scaler) -> tuple[int, list, str]:
-    "Load the newest complete checkpoint in `checkpoint_dir`, if any; returns (its step, the losses so far, its path)"
+_HISTORY = ('losses', 'lrs', 'grad_norms')
+
+def _hyper(optimizer, scheduler) -> list:
+    "Each parameter group's hyperparameters (lr, weight_decay, betas...); not lr where a scheduler sets it"
+    skip = {'params'} | ({'lr'} if scheduler is not None else set())
+    return [{k: v for k, v in g.items() if k not in skip and isinstance(v, (int, float, str, tuple))}
+            for g in optimizer.param_groups]
+
+def _warn_changed(mine, theirs, path):
+    diff = sorted({f"{k}={a[k]!r} (checkpoint: {b.get(k)!r})" for a, b in zip(mine, theirs) for k in a
+                   if b.get(k) != a[k]})
+    if diff and is_main():
+        warnings.warn(f"resumed from {path}: this run's optimizer has {', '.join(diff)}; the checkpoint's values "
+                      "won (an exact resume). To train on with new values, set them in optimizer.param_groups from "
+                      "a callback's on_fit_start, or start a new checkpoint_dir", stacklevel=3)
+
+def _resume(checkpoint_dir, model, optimizer, loader, scheduler, scaler) -> tuple[int, dict, str]:
+    "Load the newest complete checkpoint in `checkpoint_dir`, if any; returns (its step, the history so far, its path)"
     last = latest_checkpoint(checkpoint_dir)
-    if last is None: return 0, [], ''
+    if last is None: return 0, {}, ''
+    mine = _hyper(optimizer, scheduler)
     ck = load_checkpoint(last, model, optimizer, loader=loader)
     state = ck.extra.get('fit', {})
     if scheduler is not None and 'scheduler' in state: scheduler.load_state_dict(state['scheduler'])
     if scaler is not None and 'scaler' in state: scaler.load_state_dict(state['scaler'])
-    return ck.step, state.get('losses', torch.zeros(0)).tolist(), str(last)
+    _warn_changed(mine, _hyper(optimizer, scheduler), last)
+    hist = {k: state[k].tolist() for k in _HISTORY if k in state}
+    return ck.step, dict(hist, validations=list(state.get('validations', [])),
+                         epochs_done=int(state.get('epochs_done', 0))), str(last)
 
-def _checkpoint(checkpoint_dir, step, model, optimizer, loader, scheduler, scaler, losses, keep, async_save):
+def _checkpoint(checkpoint_dir, step, model, optimizer, loader, scheduler, scaler, result, epochs_done, keep,
+                async_save):
     "Save the state of training at `step` (a collective); returns the path, or the AsyncSave of a background save"
-    state = dict(losses=torch.tensor(losses, dtype=torch.float64))
+    state = {k: torch.tensor(getattr(result, k), dtype=torch.float64) for k in _HISTORY}
+    state.update(validations=list(result.validations), epochs_done=epochs_done)
     if callable(getattr(scheduler, 'state_dict', None)): state['scheduler'] = scheduler.state_dict()
     if scaler is not None: state['scaler'] = scaler.state_dict()
     return save_checkpoint(checkpoint_path(checkpoint_dir, step), model, optimizer, step=step, loader=loader,
@@ -170,79 +218,209 @@ def _place(model, optimizer, device, strategy):
                          "optimizer")
     model.to(device)
 
-def _progress(progress, loader, epochs, max_steps, accumulate, start=0):
-    "A bar over the optimizer steps on the main rank, or None"
+class _Progress:
+    "The main rank's progress: a bar, or (under launch/torchrun) a line every `every` seconds"
+    def __init__(self, enable, total, start=0, every=2.0, lines=None):
+        if lines is None: lines = world_size() > 1 or os.environ.get('DTNB_LAUNCH') == '1'
+        on = enable and is_main()
+        self.total, self.start, self.every, self.lines = total, start, every, on and lines
+        self.t0, self.last = time.perf_counter(), float('-inf')
+        self.bar = progress_bar(total=total, initial=start, enable=on and not lines, desc='fit', unit='step',
+                                mininterval=0.5)
+    def update(self, step, loss):
+        if self.bar is not None:
+            if (step - self.start) % 10 == 1 or step == self.total: self.bar.set_postfix(loss=f"{float(loss):.4f}")
+            self.bar.update(1)
+        elif self.lines and (step in (self.start + 1, self.total) or time.perf_counter() - self.last >= self.every):
+            self.last = time.perf_counter()
+            rate = (step - self.start) / max(self.last - self.t0, 1e-9)
+            of = f"/{self.total}" if self.total else ''
+            print(f"fit: step {step}{of} · loss {float(loss):.4f} (rank 0) · {rate:.1f} steps/s", flush=True)
+    def close(self):
+        if self.bar is not None: self.bar.close()
+
+def _progress(progress, loader, epochs, max_steps, accumulate, start=0, lines=None):
+    "The main rank's progress over the optimizer steps"
     try: total = len(loader) // accumulate * epochs
     except TypeError: total = None
     if max_steps is not None: total = min(total or max_steps, max_steps)
-    return progress_bar(total=total, initial=start, enable=progress and is_main(), desc='fit', unit='step',
-                        mininterval=0.5)
+    return _Progress(progress, total, start, lines=lines)
+
+# %% ../nbs/04d_train.ipynb #cc0a4a82
+def _check_args(accumulate, every, scheduler, scheduler_interval, val_every, val_interval, loader, step_fn, loss_fn,
+                keys, log_every=1):
+    if accumulate < 1: raise ValueError(f"accumulate={accumulate} must be >= 1")
+    for name, v in (('every', every), ('val_every', val_every), ('log_every', log_every)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name}={v!r} must be a whole number of steps >= 1")
+    for name, v in (('scheduler_interval', scheduler_interval), ('val_interval', val_interval)):
+        if v not in ('step', 'epoch'): raise ValueError(f"{name}={v!r}: choose 'step' or 'epoch'")
+    if scheduler is not None and scheduler_interval == 'epoch' and not hasattr(loader, '__len__'):
+        raise ValueError("scheduler_interval='epoch' needs a loader with a length, so that an epoch has an end: give "
+                         "the loader a __len__, or step the schedule per 'step'")
+    if step_fn is not None and (loss_fn is not None or keys is not None):
+        raise ValueError("step_fn computes the loss itself: pass step_fn, or loss_fn/keys, not both")
+
+def _check_lr_drop(first, optimizer, scheduler_interval):
+    "Warn when a schedule stepped per step took the learning rate to almost nothing within the first epoch"
+    lr, first_lr = float(optimizer.param_groups[0]['lr']), first[0] if first else 0.0
+    if scheduler_interval == 'step' and first_lr and lr < 1e-6 * first_lr:
+        warnings.warn(f"the learning rate fell from {first_lr:.3g} to {lr:.3g} in the first epoch: a per-epoch "
+                      "schedule (StepLR, ExponentialLR, ...) stepped after every step? pass scheduler_interval='epoch'",
+                      stacklevel=3)
+
+def _compile(model, strategy, options=None) -> list:
+    "torch.compile each block of `model` in place (the whole model if it has none); returns the block names"
+    if strategy == 'pipeline': raise ValueError("compile=True does not apply to a pipeline: compile its stages")
+    m, options = model.module if strategy == 'ddp' else model, options or {}
+    blocks = find_blocks(m)
+    for name in blocks: m.get_submodule(name).compile(**options)
+    if not blocks: m.compile(**options)
+    return blocks
+
+@dataclass
+class FitState:
+    "What a callback sees: model, optimizer, where training is, the history so far; set `stop` to end training"
+    model: object
+    optimizer: object
+    result: FitResult
+    step: int = 0            # optimizer steps done, from the start of training
+    epoch: int = 0           # epochs ended
+    metrics: dict = field(default_factory=dict)  # the last validation: step, epoch, val_loss, metrics
+    metric_names: list = field(default_factory=list)  # the names a validation reports (empty: no validation)
+    stop: str = ''           # a reason to stop: fit ends after this step (or validation), on every rank
+
+    @property
+    def is_main(self) -> bool: return is_main()
+
+def _call(callbacks, hook, state):
+    for cb in callbacks:
+        if (f := getattr(cb, hook, None)) is not None: f(state)
+
+def _agree_stop(state) -> bool:
+    "Whether any rank's callbacks asked to stop (one all-reduce); then every rank stops"
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([float(bool(state.stop))], device=current_device() if dist.get_backend() == 'nccl' else 'cpu')
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if t.item() and not state.stop: state.stop = 'another rank asked to stop'
+    return bool(state.stop)
 
 # %% ../nbs/04d_train.ipynb #2da09031
 def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a pipeline with `.step(x, y)`
-        loader,                    # yields (inputs, targets) batches: a DataLoader or `distributed_loader(...)`
+        loader,                    # yields batches: (inputs, targets), dicts, or anything a `step_fn` takes
         optimizer:torch.optim.Optimizer,
-        loss_fn=nn.functional.mse_loss,
+        loss_fn=None,              # loss_fn(predictions, targets); None: the model's `.loss`, else mse_loss if it fits
         epochs:int=1,
         max_steps:int|None=None,   # stop after this many optimizer steps
         accumulate:int=1,          # micro-batches per optimizer step
         precision:str|None=None,   # a name of `PRECISIONS`: 'fp32' (None), 'bf16-mixed', 'fp16-mixed', 'bf16-true'
         clip:float|None=None,      # max gradient norm
-        scheduler=None,            # stepped after every optimizer step
-        progress:bool=True,        # progress bar on the main rank
+        scheduler=None,            # a learning-rate scheduler, stepped every `scheduler_interval`
+        progress:bool=True,        # progress on the main rank: a bar, or lines under launch/torchrun
         checkpoint_dir=None,       # save checkpoints here, and resume from the newest complete one found here
         every:int|None=None,       # save every `every` optimizer steps (and at the end); None: at the end only
         keep:int|None=2,           # complete checkpoints to keep (None: all)
         async_save:bool=False,     # write checkpoints in the background while training goes on
+        *, step_fn=None,           # step_fn(model, batch) -> loss, or (loss, predictions, targets): any batch
+        keys:tuple|None=None,      # dict batches: (input key, target key), e.g. ('image', 'label')
+        scheduler_interval:str='step',  # step the scheduler after every 'step', or at the end of every 'epoch'
+        val_loader=None,           # validation batches (a `distributed_loader(..., shuffle=False)` under DDP/FSDP)
+        metrics=None,              # metric(predictions, targets) callables (or torchmetrics objects): list or dict
+        val_every:int=1,           # validate every `val_every` ...
+        val_interval:str='epoch',  #   ... 'epoch's or 'step's
+        callbacks=(),              # objects with on_fit_start/on_step_end/on_validation_end/on_fit_end(state)
+        log_every:int=10,          # with callbacks: bring the history up to date every `log_every` steps
+        compile:bool|dict=False,   # torch.compile each block, after wrapping; a dict: torch.compile's options
         ) -> FitResult:
-    "Train `model` on `loader`; returns losses (mean over ranks) and throughput. With `checkpoint_dir`, resumable"
-    if accumulate < 1: raise ValueError(f"accumulate={accumulate} must be >= 1")
-    if every is not None and (not isinstance(every, int) or every < 1):
-        raise ValueError(f"every={every!r} must be a whole number of steps >= 1")
+    "Train `model` on `loader`; returns per-step losses (mean over ranks), lr, grad norm, validations and throughput"
+    _check_args(accumulate, every, scheduler, scheduler_interval, val_every, val_interval, loader, step_fn, loss_fn,
+                keys, log_every)
     precision = _precision(model, precision)  # checks the name before any work
     device, strategy = current_device(), _strategy_name(model)
+    if strategy == 'pipeline' and val_loader is not None: raise ValueError("fit validates no pipeline yet")
+    _check_fp16(precision, device)
+    for l, what in ((loader, 'loader'), (val_loader, 'val_loader')): _check_loader(l, strategy, what)
     check_optimizer(model, optimizer)  # an optimizer built before sharding would silently train nothing
     _place(model, optimizer, device, strategy)
+    if compile: _compile(model, strategy, compile if isinstance(compile, dict) else None)
     scaler = torch.amp.GradScaler(device.type) if precision == 'fp16-mixed' else None
-    start, done, resumed = 0, [], ''
+    fwd = lambda m, b: _forward(m, b, loss_fn, step_fn, keys)
+    res, start, hist = FitResult(strategy=strategy), 0, {}
     if checkpoint_dir is not None:
         if not (callable(getattr(loader, 'state_dict', None)) and callable(getattr(loader, 'load_state_dict', None))):
             loader = resumable(loader)
-        start, done, resumed = _resume(checkpoint_dir, model, optimizer, loader, scheduler, scaler)
-        if resumed and progress and is_main(): print(f"fit: resumed from {resumed} at step {start}", flush=True)
-    pbar = _progress(progress, loader, epochs, max_steps, accumulate, start)
-    losses, stats, samples, t0 = [], dict(wait=0.0, steps=start), 0, time.perf_counter()
+        start, hist, res.resumed_from = _resume(checkpoint_dir, model, optimizer, loader, scheduler, scaler)
+        if res.resumed_from and is_main(): print(f"fit: resumed from {res.resumed_from} at step {start}", flush=True)
+    for k in (*_HISTORY, 'validations'): setattr(res, k, hist.get(k, []))
+    res.start_step, epoch = start, getattr(loader, 'epoch', 0) if res.resumed_from else 0
+    state = FitState(model, optimizer, res, start, hist.get('epochs_done', 0),
+                     metric_names=['val_loss', *_as_metrics(metrics)] if val_loader is not None else [])
+    skip_end = state.epoch > epoch  # the resumed epoch had ended (and been handled) before the checkpoint
+    bar = _progress(progress, loader, epochs, max_steps, accumulate, start)
+    pend, stats, samples, t0 = dict(loss=[], norm=[], lr=[]), dict(wait=0.0, steps=start), 0, time.perf_counter()
     dp = getattr(model, 'data_parallel_size', None) or world_size()
-    passes = epochs - (getattr(loader, 'epoch', 0) if resumed else 0)  # a resumed epoch counts as one pass
     step, saved, pending = start, start, None
-    save = lambda: _checkpoint(checkpoint_dir, step, model, optimizer, loader, scheduler, scaler, done, keep,
-                               async_save)
+
+    def flush():  # this run's pending per-step values into the result, losses averaged over ranks (one all-reduce)
+        res.losses += _step_losses(pend['loss'], strategy)
+        nan = torch.tensor(float('nan'))
+        res.grad_norms += [float(n) for n in torch.stack([nan.to(device) if n is None else n.detach().float()
+                                                          for n in pend['norm']]).cpu()] if pend['norm'] else []
+        res.lrs += pend['lr']
+        for v in pend.values(): v.clear()
+    def save():
+        flush()
+        return _checkpoint(checkpoint_dir, step, model, optimizer, loader, scheduler, scaler, res, state.epoch, keep,
+                           async_save)
+    def validate():
+        flush()
+        state.metrics = dict(step=step, epoch=state.epoch, **evaluate(model, val_loader, loss_fn, metrics,
+                             step_fn=step_fn, keys=keys, precision=precision))
+        res.validations.append(state.metrics)
+        _call(callbacks, 'on_validation_end', state)
+        return _agree_stop(state)
+
+    _call(callbacks, 'on_fit_start', state)
     todo = max_steps is None or start < max_steps
-    for group in (_batches(loader, passes, max_steps, accumulate, stats) if todo else []):
-        group = [_cast_inputs(to_device(b, device, non_blocking=True), precision) for b in group]
+    for group in (_batches(loader, epochs - epoch, max_steps, accumulate, stats) if todo else []):
+        if group is None:  # the end of an epoch
+            if skip_end: skip_end = False; continue
+            state.epoch += 1
+            if scheduler is not None and scheduler_interval == 'epoch': scheduler.step()
+            if scheduler is not None and state.epoch == 1: _check_lr_drop(res.lrs[:1] or pend['lr'][:1], optimizer,
+                                                                          scheduler_interval)
+            if val_loader is not None and val_interval == 'epoch' and state.epoch % val_every == 0 and validate():
+                break
+            continue
+        skip_end = False
+        group = [_cast_inputs(to_device(b, device, non_blocking=True), precision, keys) for b in group]
+        pend['lr'].append(float(optimizer.param_groups[0]['lr']))
         if strategy == 'pipeline':  # one step over the whole group: the pipeline splits it into its microbatches
             step_loss = model.step(*(torch.cat(parts) for parts in zip(*group)))
-            _opt_step(model, optimizer, None, clip)
+            pend['norm'].append(_opt_step(model, optimizer, None, clip))
         else:
-            micro = [_micro_step(model, b, loss_fn, device, precision, scaler, accumulate, i == accumulate - 1)
+            micro = [_micro_step(model, b, fwd, device, precision, scaler, accumulate, i == accumulate - 1)
                      for i, b in enumerate(group)]
             step_loss = micro[0] if accumulate == 1 else sum(micro) / accumulate
-            _opt_step(model, optimizer, scaler, clip)
-        if scheduler is not None: scheduler.step()
-        losses.append(torch.as_tensor(step_loss).detach())
-        samples += sum(len(b[0]) for b in group) * dp
-        if pbar is not None and (len(losses) % 10 == 1 or len(losses) == pbar.total):
-            pbar.set_postfix(loss=f"{float(step_loss):.4f}")
-        if pbar is not None: pbar.update(1)
-        step += 1
-        if checkpoint_dir is not None and every and step % every == 0:
-            done, losses = done + _step_losses(losses, strategy), []
-            pending, saved = save(), step
-    if checkpoint_dir is not None and step > saved:
-        done, losses = done + _step_losses(losses, strategy), []
-        pending = save()
+            pend['norm'].append(_opt_step(model, optimizer, scaler, clip))
+        if scheduler is not None and scheduler_interval == 'step': scheduler.step()
+        pend['loss'].append(torch.as_tensor(step_loss).detach())
+        samples += sum(_batch_size(b) for b in group) * dp
+        step = state.step = step + 1
+        bar.update(step, step_loss)
+        if callbacks:
+            if (log := (step - start) % log_every == 0): flush()
+            _call(callbacks, 'on_step_end', state)
+            if log and _agree_stop(state): break
+        if val_loader is not None and val_interval == 'step' and step % val_every == 0 and validate(): break
+        if checkpoint_dir is not None and every and step % every == 0: pending, saved = save(), step
+    if checkpoint_dir is not None and step > saved: pending = save()
     if hasattr(pending, 'wait'): pending.wait()  # the last checkpoint is complete when fit returns
-    if pbar is not None: pbar.close()
-    secs = time.perf_counter() - t0
-    return FitResult(done + _step_losses(losses, strategy), stats['steps'], samples, secs, stats['wait'], strategy,
-                     start, resumed)
+    flush()
+    bar.close()
+    res.steps, res.samples, res.data_wait_s = step, samples, stats['wait']
+    res.seconds = time.perf_counter() - t0
+    res.stopped = state.stop
+    _call(callbacks, 'on_fit_end', state)
+    return res
