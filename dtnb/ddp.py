@@ -113,9 +113,9 @@ def apply_ddp(model:nn.Module, device=None, **ddp_kwargs) -> nn.Module:
     return DDP(model, device_ids=[dev.index] if dev.type not in ('cpu', 'mps') else None, **ddp_kwargs)
 
 def apply_zero1(model:nn.Module, device=None, **ddp_kwargs) -> nn.Module:
-    "ZeRO-1: DDP; build the optimizer with `make_optimizer`, which splits its state over the ranks"
+    "ZeRO-1: DDP (gradients as views of its buckets: no second copy); `make_optimizer` splits the optimizer state"
     require_group("wrap(model, 'zero1')")
-    return apply_ddp(model, device, **ddp_kwargs)
+    return apply_ddp(model, device, **{'gradient_as_bucket_view': True, **ddp_kwargs})
 
 # %% ../nbs/02_ddp.ipynb #dd0092bc
 def make_optimizer(model:nn.Module, optimizer_class=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
