@@ -8,7 +8,7 @@ import torch.distributed as dist
 transformers = pytest.importorskip('transformers')  # imported once: forked ranks inherit it
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from dtnb.launcher import launch
-from dtnb.ddp import wrap, make_optimizer
+from dtnb.ddp import wrap, make_optimizer, distributed_loader
 from dtnb.memory import estimate_memory, recommend
 from dtnb.measure import _measure_step
 from dtnb.models import ToyModel, toy_data
@@ -177,13 +177,32 @@ def test_every_recommend_answer_runs():
         assert max(abs(a - b) for a, b in zip(got, ref_losses)) < 1e-5, (label, got, ref_losses)
 
 
-def test_zero1_needs_its_optimizer():
-    "fit's check refuses a full optimizer on a zero1 model: it would train, but not as planned"
+def zero1_fit(ckpt_dir):
+    "On this rank: the check on a full optimizer; fit 4 steps with checkpoints, then a fresh run to 6 that resumes"
     from dtnb.fsdp import check_optimizer
-    def misuse():
+    from dtnb.train import fit
+    model = wrap(ToyModel(), 'zero1')
+    try: check_optimizer(model, torch.optim.AdamW(model.parameters())); msg = None
+    except RuntimeError as e: msg = str(e)
+    runs = []
+    for steps in (4, 6):
+        torch.manual_seed(0)
         model = wrap(ToyModel(), 'zero1')
-        try: check_optimizer(model, torch.optim.AdamW(model.parameters()))
-        except RuntimeError as e: return str(e)
-    msg = launch(misuse, nprocs=2)[0]
+        o = make_optimizer(model, torch.optim.AdamW, lr=1e-2)
+        dl = distributed_loader(toy_data(256), global_batch_size=16, shuffle=False)
+        runs.append(fit(model, dl, o, max_steps=steps, progress=False, checkpoint_dir=ckpt_dir, every=2))
+    return msg, [(r.start_step, r.losses) for r in runs]
+
+
+def test_zero1_optimizer_checked_and_resumable(tmp_path):
+    "fit refuses a full optimizer on a zero1 model; with ZeRO's, a run stopped at step 4 resumes to one process's losses"
+    from dtnb.train import fit
+    torch.manual_seed(0)
+    m = ToyModel(); o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    ref = fit(m, torch.utils.data.DataLoader(toy_data(256), batch_size=16), o, max_steps=6, progress=False).losses
+    msg, runs = launch(zero1_fit, str(tmp_path), nprocs=2, timeout=120)[0]
     assert "wrap(model, 'zero1') splits the optimizer state over the ranks, but this AdamW keeps all of it" in msg
     assert "dtnb.make_optimizer(model, torch.optim.AdamW, lr=...)" in msg
+    (s0, first), (s1, resumed) = runs
+    assert (s0, s1, len(first), len(resumed)) == (0, 4, 4, 6)  # the second run started from the checkpoint of step 4
+    assert max(abs(a - b) for a, b in zip(resumed, ref)) < 1e-5, (resumed, ref)
