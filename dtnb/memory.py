@@ -314,7 +314,8 @@ class MemoryPlan:
         opts = ''.join(f", {k}={v!r}" for k, v in self.wrap_kwargs.items() if k != 'strategy')
         extra = ", loss_fn=loss_fn" if self.strategy == 'pipeline' else ''
         opt = dict(sgd='SGD', momentum='SGD', adam='Adam', adamw='AdamW')[e.optimizer]
-        prec = '' if e.precision == 'fp32' else f", precision={e.precision!r}"
+        p = {'zero-mixed': 'bf16-mixed'}.get(e.precision, e.precision)  # torch trains ZeRO's 16 bytes as autocast
+        prec = '' if p == 'fp32' else f", precision={p!r}"
         return (f"model = dtnb.wrap(model, {self.strategy!r}{opts}{extra})\n"
                 f"optimizer = dtnb.make_optimizer(model, torch.optim.{opt}, lr=...)\n"
                 f"dtnb.fit(model, loader, optimizer{prec})")
