@@ -1,4 +1,4 @@
-"""Each `wrap` strategy beside the same torch calls written by hand, side by side on 2 ranks. Prints figures; not a test.
+"""Each `wrap` strategy beside the same torch calls written by hand, side by side on 2 ranks. Prints figures only.
 
 Target (issue 13): steps/s through dtnb at least 0.98 × the hand-written torch calls, for every strategy.
 Each round is one launch in which every rank trains each setup twice, dtnb's and the hand-written one, alternating;

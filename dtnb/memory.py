@@ -99,7 +99,7 @@ def _state_elements(sizes, psi, strategy, ws, rank):
     return [n, t, _zero1_share(sizes, ws, rank)[0] if strategy == 'zero1' else t]
 
 def _zero1_share(sizes, ws, rank):
-    "(elements, tensors) of the trainable parameters ZeroRedundancyOptimizer gives `rank`: largest first, to the least full"
+    "(elements, tensors) of trainable parameters ZeroRedundancyOptimizer gives `rank`: largest first, to the least full"
     load, mine = [0] * ws, [0, 0]
     for n in sorted((math.prod(s) for s, t in sizes.shapes if t), reverse=True):
         r = load.index(min(load)); load[r] += n

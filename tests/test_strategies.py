@@ -155,7 +155,7 @@ def apply_plan(plans):
 
 
 def test_every_recommend_answer_runs():
-    "Each answer recommend gives on 2 ranks, as the memory shrinks, is applied by wrap(model, **plan.wrap_kwargs) and trains"
+    "Each answer recommend gives on 2 ranks as memory shrinks: wrap(model, **plan.wrap_kwargs) applies it; it trains"
     model, x = ToyModel(), torch.randn(4, 16)
     full = recommend(model, x, world_size=2, memory=1e9)
     totals = sorted({e.total for e in full.estimates if e.strategy != 'pipeline'}, reverse=True)
@@ -195,7 +195,7 @@ def zero1_fit(ckpt_dir):
 
 
 def test_zero1_optimizer_checked_and_resumable(tmp_path):
-    "fit refuses a full optimizer on a zero1 model; with ZeRO's, a run stopped at step 4 resumes to one process's losses"
+    "fit refuses a full optimizer on a zero1 model; with ZeRO's, a run stopped at step 4 resumes to the same losses"
     from dtnb.train import fit
     torch.manual_seed(0)
     m = ToyModel(); o = torch.optim.AdamW(m.parameters(), lr=1e-2)
