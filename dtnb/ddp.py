@@ -15,7 +15,7 @@ from .utils import require_group
 from .models import find_blocks
 
 # %% auto #0
-__all__ = ['STRATEGIES', 'OFFLOADABLE', 'DistributedLoader', 'distributed_loader', 'wrap', 'apply_single', 'apply_ddp',
+__all__ = ['STRATEGIES', 'OFFLOADABLE', 'SHARDED', 'DistributedLoader', 'distributed_loader', 'wrap', 'apply_single', 'apply_ddp',
            'apply_zero1', 'make_optimizer', 'apply_checkpointing']
 
 # %% ../nbs/02_ddp.ipynb #29e9eced
@@ -80,10 +80,12 @@ STRATEGIES = {  # name: 'module:function' applying it
     'pipeline': 'dtnb.pipeline:apply_pipeline',  # needs loss_fn=...; returns a Pipeline that `fit` drives
 }
 OFFLOADABLE = ('zero3', 'fsdp')  # FSDP2's CPUOffloadPolicy offloads parameters, gradients and optimizer state at once
+SHARDED = ('zero2', 'zero3', 'fsdp')  # strategies whose units are blocks
 
 def wrap(model:nn.Module, strategy:str='ddp',
          checkpoint:bool=False,  # recompute each block's activations in the backward (activation checkpointing)
          offload:bool=False,     # keep model states in host memory ('zero3'/'fsdp')
+         layer_cls=None,         # the block class(es) or name(s), for FSDP's units and checkpointing; default: found
          **options) -> nn.Module:
     "Apply a parallel `strategy` (a name in `STRATEGIES`) to `model` from the outside; returns the model to train"
     if strategy not in STRATEGIES:
@@ -92,7 +94,11 @@ def wrap(model:nn.Module, strategy:str='ddp',
         raise ValueError(f"offload=True runs with 'zero3' (FSDP2's CPUOffloadPolicy moves parameters, gradients and "
                          f"optimizer state to host memory together), not {strategy!r}: use wrap(model, 'zero3', "
                          "offload=True)")
-    if checkpoint: apply_checkpointing(model, options.get('layer_cls'))  # on the plain blocks, before any wrapper
+    if layer_cls is not None and not checkpoint and strategy not in SHARDED:
+        raise ValueError(f"layer_cls names the blocks FSDP shards and checkpointing recomputes; {strategy!r} without "
+                         "checkpoint=True has none: leave it out, or add checkpoint=True")
+    if checkpoint: apply_checkpointing(model, layer_cls)  # on the plain blocks, before any wrapper
+    if strategy in SHARDED: options['layer_cls'] = layer_cls
     if offload: options['cpu_offload'] = True
     mod, fn = STRATEGIES[strategy].split(':')
     model = getattr(importlib.import_module(mod), fn)(model, **options)
