@@ -1,9 +1,10 @@
 """Each `wrap` strategy beside the same torch calls written by hand, side by side on 2 ranks. Prints figures only.
 
 Target (issue 13): steps/s through dtnb at least 0.98 × the hand-written torch calls, for every strategy.
-Each round is one launch in which every rank trains each setup twice, dtnb's and the hand-written one, alternating;
+Each round is one launch in which every rank builds each setup twice, through dtnb and by hand, and trains the two
+step by step in turn (a barrier before each timed step), so that load from other processes falls on both alike;
 the ratio of each round is taken, and the median over rounds is printed.
-    python benchmarks/bench_strategies.py [--steps 20] [--rounds 5]
+    python benchmarks/bench_strategies.py [--steps 30] [--rounds 3]
 """
 import argparse, statistics, time
 import torch
@@ -47,43 +48,46 @@ def through_dtnb(model, strategy, **options):
     return model, make_optimizer(model, torch.optim.AdamW, lr=1e-3)
 
 
-def steps_per_s(model, o, steps, warmup=5):
+def paired_steps(pair, steps, warmup=5):
+    "Steps of the two (model, optimizer) pairs interleaved one by one (which goes first alternates); steps/s of each"
     x, y = toy_data(32 * (steps + warmup))[:]
     x, y = x.view(steps + warmup, 32, -1), y.view(steps + warmup, 32, -1)
+    spent = [0.0, 0.0]
     for i in range(steps + warmup):
-        if i == warmup: dist.barrier(); t = time.perf_counter()
-        o.zero_grad(); F.mse_loss(model(x[i]), y[i]).backward(); o.step()
-    dist.barrier()
-    return steps / (time.perf_counter() - t)
+        for j in ((0, 1) if i % 2 else (1, 0)):
+            model, o = pair[j]
+            dist.barrier(); t = time.perf_counter()
+            o.zero_grad(); F.mse_loss(model(x[i]), y[i]).backward(); o.step()
+            if i >= warmup: spent[j] += time.perf_counter() - t
+    return [steps / s for s in spent]
 
 
-def one_round(steps, first):
-    "On each rank: {setup: (dtnb steps/s, hand-written steps/s)}, the two alternating, `first` first"
+def one_round(steps):
+    "On each rank: {setup: (dtnb steps/s, hand-written steps/s)}, their steps interleaved one by one"
     out = {}
     for name, (strategy, options) in SETUPS.items():
-        runs = {}
-        for how in (first, 'hand' if first == 'dtnb' else 'dtnb'):
+        pair = []
+        for how in ('dtnb', 'hand'):
             torch.manual_seed(0)
             m = ToyModel(**SIZE)
-            model, o = through_dtnb(m, strategy, **options) if how == 'dtnb' else by_hand(m, strategy, **options)
-            runs[how] = steps_per_s(model, o, steps)
-            del model, o
-        out[name] = runs['dtnb'], runs['hand']
+            pair.append(through_dtnb(m, strategy, **options) if how == 'dtnb' else by_hand(m, strategy, **options))
+        out[name] = tuple(paired_steps(pair, steps))
+        del pair
     return out
 
 
 def main():
-    ap = argparse.ArgumentParser(); ap.add_argument('--steps', type=int, default=20)
-    ap.add_argument('--rounds', type=int, default=5)
+    ap = argparse.ArgumentParser(); ap.add_argument('--steps', type=int, default=30)
+    ap.add_argument('--rounds', type=int, default=3)
     a = ap.parse_args()
     n = sum(p.numel() for p in ToyModel(**SIZE).parameters())
     print(f"ToyModel({SIZE}): {n / 1e6:.1f} M parameters; AdamW; 2 gloo ranks, 1 torch thread each; "
           f"torch {torch.__version__}")
-    print(f"{a.steps} steps of batch 32 per rank after 5 warm-up, dtnb and hand-written alternating in one launch; "
+    print(f"{a.steps} steps of batch 32 per rank after 5 warm-up, dtnb's and hand-written steps interleaved; "
           f"median of {a.rounds} rounds\n")
     ratios, speeds = {k: [] for k in SETUPS}, {k: ([], []) for k in SETUPS}
     for i in range(a.rounds):
-        res = launch(one_round, a.steps, ('dtnb', 'hand')[i % 2], nprocs=2, threads=1, timeout=600)[0]
+        res = launch(one_round, a.steps, nprocs=2, threads=1, timeout=600)[0]
         for k, (d, h) in res.items():
             ratios[k].append(d / h); speeds[k][0].append(d); speeds[k][1].append(h)
     print(f"  {'strategy':<24} {'dtnb steps/s':>13} {'torch by hand':>14} {'ratio':>7}   (target >= 0.98)")
