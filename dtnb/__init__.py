@@ -8,7 +8,7 @@ _API = '''
     detect DeviceReport parse_launch_env LaunchEnv
     ToyModel TinyTransformer toy_data toy_sequences find_blocks
     launch LaunchError init_distributed shutdown rank world_size local_rank is_main barrier rank0_first current_device
-    wrap distributed_loader
+    wrap make_optimizer apply_checkpointing distributed_loader
     full_state_dict check_optimizer
     apply_pipeline Pipeline causal_lm_loss split_model PipelineSplit PipelineTimeline PipelineTimelines
     simulate_schedule

@@ -6,21 +6,28 @@ Docs: https://dtnb-dev.github.io/dtnb/activations.html.md"""
 
 # %% ../nbs/03_activations.ipynb #b691f9d5
 from __future__ import annotations
-import contextlib
+import contextlib, inspect
 from dataclasses import dataclass
 import torch
 from .utils import PRECISIONS, check_precision, tree_map_tensors, tensors, autocast
 from .models import find_blocks
 
 # %% auto #0
-__all__ = ['forward_batch', 'ActivationTrace', 'SavedCounter', 'trace_activations']
+__all__ = ['takes_labels', 'forward_batch', 'ActivationTrace', 'SavedCounter', 'trace_activations']
 
 # %% ../nbs/03_activations.ipynb #dc60df92
+def takes_labels(model) -> bool:
+    "Whether `model` (or the module a wrapper holds) computes its own loss from a `labels` argument (Hugging Face)"
+    m = getattr(model, 'module', model)
+    try: return 'labels' in inspect.signature(m.forward).parameters
+    except (TypeError, ValueError): return False
+
 def forward_batch(model, batch, loss_fn=None, params=None):
     "Run `model` on `batch` (tensor, tuple or dict; the tuple's last item is the target when `loss_fn` is given)"
     call = model if params is None else (lambda *a, **k: torch.func.functional_call(model, params, a, k))
     if isinstance(batch, dict): return call(**batch)
     if isinstance(batch, (list, tuple)):
+        if loss_fn is None and len(batch) == 2 and takes_labels(model): return call(batch[0], labels=batch[1])
         if loss_fn is None: return call(*batch)
         return loss_fn(call(*batch[:-1]), batch[-1])
     out = call(batch)

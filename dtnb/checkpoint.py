@@ -89,10 +89,14 @@ def _unprefix(kind, key):
     head, _, rest = key.split('.', 2)
     return f"{head}.{rest}"
 
+def _local_optimizer(optimizer):
+    "ZeRO-1's ZeroRedundancyOptimizer: its local optimizer over this rank's share (the ranks' keys do not overlap)"
+    return optimizer.optim if hasattr(optimizer, 'consolidate_state_dict') else optimizer
+
 def state_dicts(model, optimizer=None, **options) -> tuple[dict, dict|None]:
     "This rank's {'model': ..., 'optim': ...} keyed by parameter name, and the renaming to undo (pipeline stages)"
     from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
-    m = _module(model)
+    m, optimizer = _module(model), _local_optimizer(optimizer)
     if optimizer is None: sd = {'model': get_model_state_dict(m, options=_options(**options))}
     else:
         msd, osd = get_state_dict(m, optimizer, options=_options(**options))
@@ -107,7 +111,12 @@ def _set_state(model, optimizer, sd, back):
     if back: sd = {kind: {back[(kind, k)]: v for k, v in d.items()} for kind, d in sd.items()}
     m = _module(model)
     if optimizer is None: set_model_state_dict(m, sd['model'], options=_options())
-    else: set_state_dict(m, optimizer, model_state_dict=sd['model'], optim_state_dict=sd['optim'], options=_options())
+    else:
+        local = _local_optimizer(optimizer)
+        set_state_dict(m, local, model_state_dict=sd['model'], optim_state_dict=sd['optim'], options=_options())
+        if local is not optimizer:  # ZeRO-1 steps with its own param_groups (lr ...): give them the loaded values
+            for mine, loaded in zip(optimizer.param_groups, local.param_groups):
+                mine.update({k: v for k, v in loaded.items() if k != 'params'})
 
 def _shapes(sd:dict) -> dict:
     "{kind: {key: global shape, or None for a non-tensor}}, merged over all ranks (stages hold different keys)"

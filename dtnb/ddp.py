@@ -12,10 +12,12 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from .launcher import rank as _rank, world_size, current_device
 from .utils import require_group
+from .models import find_blocks
 
 # %% auto #0
-__all__ = ['SYNC_BATCHNORM_DEVICES', 'STRATEGIES', 'DistributedLoader', 'distributed_loader', 'batchnorm_layers',
-           'prepare_batchnorm', 'wrap', 'apply_single', 'apply_ddp']
+__all__ = ['SYNC_BATCHNORM_DEVICES', 'STRATEGIES', 'OFFLOADABLE', 'SHARDED', 'DistributedLoader', 'distributed_loader',
+           'batchnorm_layers', 'prepare_batchnorm', 'wrap', 'apply_single', 'apply_ddp', 'apply_zero1',
+           'make_optimizer', 'apply_checkpointing']
 
 # %% ../nbs/02_ddp.ipynb #29e9eced
 class DistributedLoader:
@@ -116,17 +118,38 @@ def prepare_batchnorm(model:nn.Module, strategy:str, options:dict) -> nn.Module:
 STRATEGIES = {  # name: 'module:function' applying it
     'single': 'dtnb.ddp:apply_single',
     'ddp': 'dtnb.ddp:apply_ddp',
-    'fsdp': 'dtnb.fsdp:apply_fsdp',
+    'zero1': 'dtnb.ddp:apply_zero1',      # DDP; `make_optimizer` gives the ZeroRedundancyOptimizer
+    'zero2': 'dtnb.fsdp:apply_zero2',     # fully_shard(reshard_after_forward=False)
+    'zero3': 'dtnb.fsdp:apply_fsdp',      # fully_shard
+    'fsdp': 'dtnb.fsdp:apply_fsdp',       # the same as 'zero3'
     'pipeline': 'dtnb.pipeline:apply_pipeline',  # needs loss_fn=...; returns a Pipeline that `fit` drives
 }
+OFFLOADABLE = ('zero3', 'fsdp')  # FSDP2's CPUOffloadPolicy offloads parameters, gradients and optimizer state at once
+SHARDED = ('zero2', 'zero3', 'fsdp')  # strategies whose units are blocks
 
-def wrap(model:nn.Module, strategy:str='ddp', **options) -> nn.Module:
+def wrap(model:nn.Module, strategy:str='ddp',
+         checkpoint:bool=False,  # recompute each block's activations in the backward (activation checkpointing)
+         offload:bool=False,     # keep model states in host memory ('zero3'/'fsdp')
+         layer_cls=None,         # the block class(es) or name(s), for FSDP's units and checkpointing; default: found
+         **options) -> nn.Module:
     "Apply a parallel `strategy` (a name in `STRATEGIES`) to `model` from the outside; returns the model to train"
     if strategy not in STRATEGIES:
         raise ValueError(f"Unknown strategy {strategy!r}: choose one of {', '.join(map(repr, STRATEGIES))}")
     model = prepare_batchnorm(model, strategy, options)  # pops sync_batchnorm=; warns about per-rank statistics
+    if offload and strategy not in OFFLOADABLE:
+        raise ValueError(f"offload=True runs with 'zero3' (FSDP2's CPUOffloadPolicy moves parameters, gradients and "
+                         f"optimizer state to host memory together), not {strategy!r}: use wrap(model, 'zero3', "
+                         "offload=True)")
+    if layer_cls is not None and not checkpoint and strategy not in SHARDED:
+        raise ValueError(f"layer_cls names the blocks FSDP shards and checkpointing recomputes; {strategy!r} without "
+                         "checkpoint=True has none: leave it out, or add checkpoint=True")
+    if checkpoint: apply_checkpointing(model, layer_cls)  # on the plain blocks, before any wrapper
+    if strategy in SHARDED: options['layer_cls'] = layer_cls
+    if offload: options['cpu_offload'] = True
     mod, fn = STRATEGIES[strategy].split(':')
-    return getattr(importlib.import_module(mod), fn)(model, **options)
+    model = getattr(importlib.import_module(mod), fn)(model, **options)
+    model._dtnb_strategy = strategy  # read by `make_optimizer`
+    return model
 
 # %% ../nbs/02_ddp.ipynb #afe9cfde
 def apply_single(model:nn.Module, device=None) -> nn.Module:
@@ -140,3 +163,31 @@ def apply_ddp(model:nn.Module, device=None, **ddp_kwargs) -> nn.Module:
     dev = torch.device(device) if device is not None else current_device()
     model = model.to(dev)
     return DDP(model, device_ids=[dev.index] if dev.type not in ('cpu', 'mps') else None, **ddp_kwargs)
+
+def apply_zero1(model:nn.Module, device=None, **ddp_kwargs) -> nn.Module:
+    "ZeRO-1: DDP (gradients as views of its buckets: no second copy); `make_optimizer` splits the optimizer state"
+    require_group("wrap(model, 'zero1')")
+    return apply_ddp(model, device, **{'gradient_as_bucket_view': True, **ddp_kwargs})
+
+# %% ../nbs/02_ddp.ipynb #ebf5434b
+def make_optimizer(model:nn.Module, optimizer_class=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
+    "The optimizer for `wrap`'s `model`: `optimizer_class(**kwargs)` over its trainable parameters, ZeRO-1 sharded"
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_class={optimizer_class!r} must be a torch.optim.Optimizer class, "
+                        "e.g. torch.optim.AdamW")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if getattr(model, '_dtnb_strategy', None) != 'zero1': return optimizer_class(params, **kwargs)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
+
+# %% ../nbs/02_ddp.ipynb #e8e40d13
+def apply_checkpointing(model:nn.Module, layer_cls=None) -> list[str]:
+    "Checkpoint each block of `model` (`find_blocks`, or the `layer_cls` modules) in place; returns their names"
+    from torch.distributed._composable import checkpoint
+    names = find_blocks(model, layer_cls)
+    if not names:
+        raise ValueError(f"checkpoint=True recomputes each block, but {type(model).__name__} has no blocks that "
+                         "find_blocks recognises (repeated modules in an nn.ModuleList or nn.Sequential): "
+                         "pass layer_cls=<the block class or its name>")
+    for n in names: checkpoint(model.get_submodule(n))
+    return names

@@ -15,7 +15,7 @@ from .launcher import world_size, current_device, rank
 from .models import find_blocks
 
 # %% auto #0
-__all__ = ['size_groups', 'shard_units', 'ShardPlan', 'plan_fsdp', 'check_optimizer', 'apply_fsdp', 'state_bytes',
+__all__ = ['size_groups', 'shard_units', 'ShardPlan', 'plan_fsdp', 'check_optimizer', 'apply_fsdp', 'apply_zero2', 'state_bytes',
            'full_state_dict']
 
 # %% ../nbs/02a_fsdp.ipynb #79b069ef
@@ -157,8 +157,12 @@ def _step_pre_hook(optimizer, args, kwargs):
     _CHECKED[optimizer] = n
 
 def check_optimizer(model:nn.Module, optimizer:torch.optim.Optimizer):
-    "Raise if `optimizer` holds parameters that sharding replaced, or none of `model`'s parameters"
+    "Raise if `optimizer` holds parameters that sharding replaced, or none of `model`'s, or is not ZeRO-1's"
     if stale := _stale(optimizer): raise RuntimeError(_STALE_MSG.format(n=len(stale)))
+    if getattr(model, '_dtnb_strategy', None) == 'zero1' and not hasattr(optimizer, 'consolidate_state_dict'):
+        raise RuntimeError(f"wrap(model, 'zero1') splits the optimizer state over the ranks, but this "
+                           f"{type(optimizer).__name__} keeps all of it on every rank: build it with "
+                           f"dtnb.make_optimizer(model, torch.optim.{type(optimizer).__name__}, lr=...)")
     own = {id(p) for p in model.parameters()}
     if not any(id(p) in own for g in optimizer.param_groups for p in g['params']):
         raise RuntimeError("the optimizer holds none of the model's parameters: build it from model.parameters() "
@@ -247,6 +251,12 @@ def apply_fsdp(model:nn.Module,
     if meta: _materialize(model, 'cpu' if cpu_offload else dev, init)
     _track_replaced(before, model)
     return model
+
+def apply_zero2(model:nn.Module, **options) -> nn.Module:
+    "ZeRO-2 with FSDP2: `apply_fsdp` keeping each gathered block from its forward to its backward"
+    if options.pop('reshard_after_forward', False) is not False:
+        raise ValueError("'zero2' is FSDP with reshard_after_forward=False; for True use wrap(model, 'zero3')")
+    return apply_fsdp(model, reshard_after_forward=False, **options)
 
 # %% ../nbs/02a_fsdp.ipynb #d109714f
 def _local_nbytes(t) -> int:

@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 from .utils import tensors, tree_map_tensors, to_device, autocast, synchronize, md_table, text_table
 from .launcher import launch, current_device
-from .ddp import wrap
-from .fsdp import apply_fsdp
+from .ddp import wrap, make_optimizer
 from .activations import SavedCounter, forward_batch, trace_activations
 from .memory import check_setup, estimate_memory
 
@@ -21,7 +20,7 @@ from .memory import check_setup, estimate_memory
 __all__ = ['MEASURABLE', 'MemoryMeasurement', 'measure_memory']
 
 # %% ../nbs/03b_measure.ipynb #502f4796
-MEASURABLE = ('single', 'ddp', 'zero3')  # the strategies torch implements, so that measure_memory can run them
+MEASURABLE = ('single', 'ddp', 'zero1', 'zero2', 'zero3')  # the strategies `wrap` runs on torch's implementations
 
 def _storage_bytes(ts) -> int:
     "Bytes of the distinct storages behind the tensors `ts` (a DTensor counts its local shard)"
@@ -32,21 +31,20 @@ def _storage_bytes(ts) -> int:
         s = t.untyped_storage(); seen[s._cdata] = s.nbytes()
     return sum(seen.values())
 
-def _make_optimizer(params, optimizer, lr):
-    "The torch optimizer named `optimizer`"
-    make = dict(sgd=lambda p: torch.optim.SGD(p, lr), momentum=lambda p: torch.optim.SGD(p, lr, momentum=0.9),
-                adam=lambda p: torch.optim.Adam(p, lr), adamw=lambda p: torch.optim.AdamW(p, lr))
-    return make[optimizer](params)
+def _make_optimizer(model, optimizer, lr):
+    "The torch optimizer named `optimizer` for the wrapped `model` (ZeRO-1: sharded by `make_optimizer`)"
+    cls, kw = dict(sgd=(torch.optim.SGD, {}), momentum=(torch.optim.SGD, dict(momentum=0.9)),
+                   adam=(torch.optim.Adam, {}), adamw=(torch.optim.AdamW, {}))[optimizer]
+    return make_optimizer(model, cls, lr=lr, **kw)
 
 def _apply_strategy(model, strategy, units):
     "`model` ready to train under `strategy` on this rank's device"
-    if strategy == 'single': return model.to(current_device())
-    if strategy == 'ddp': return wrap(model, 'ddp')
-    return apply_fsdp(model, layer_cls=units)
+    if strategy in ('zero2', 'zero3'): return wrap(model, strategy, layer_cls=units)
+    return wrap(model, strategy)
 
 def _loss(out):
     "A scalar to call backward on: the output itself, its `.loss`, or the sum of the first tensor"
-    out = getattr(out, 'loss', out)
+    out = out.get('loss', out) if isinstance(out, dict) else getattr(out, 'loss', out)  # HF outputs are dicts too
     out = out if isinstance(out, torch.Tensor) else tensors(out)[0]
     return out if out.dim() == 0 else out.float().sum()
 
@@ -60,7 +58,7 @@ def _measure_step(model, batch, strategy, optimizer, precision, loss_fn, units, 
         model = model.to(torch.bfloat16)
         batch = tree_map_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, batch)
     model = _apply_strategy(model, strategy, units)
-    opt = _make_optimizer(model.parameters(), optimizer, lr)
+    opt = _make_optimizer(model, optimizer, lr)
     batch = to_device(batch, dev)
     if acc: m1 = acc.memory_allocated()
     local = [p.to_local() if hasattr(p, 'to_local') else p for p in [*model.parameters(), *model.buffers()]]
@@ -69,7 +67,8 @@ def _measure_step(model, batch, strategy, optimizer, precision, loss_fn, units, 
     saved = counter.result(exclude=list(model.parameters())).saved  # FSDP may keep the root's gathered parameters
     acts = acc.memory_allocated() - m1 if acc else saved
     loss.backward(); opt.step()
-    states = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    held = getattr(opt, 'optim', opt)  # ZeRO-1: the local optimizer holds this rank's share of the state
+    states = [v for st in held.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     out = dict(rank=dist.get_rank() if dist.is_initialized() else 0, device=str(dev),
                parameters=_storage_bytes([*model.parameters(), *model.buffers()]),
                gradients=_storage_bytes(p.grad for p in model.parameters()), optimizer_states=_storage_bytes(states),
@@ -115,7 +114,7 @@ class MemoryMeasurement:
 # %% ../nbs/03b_measure.ipynb #99db500d
 def measure_memory(model, # the `nn.Module` to train one step (a copy is trained: `model` is left as it is)
                    batch, # example batch per device: tensor, tuple (last item the target with `loss_fn`) or dict
-                   strategy:str='single', # 'single', 'ddp' or 'zero3' ('fsdp')
+                   strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2' or 'zero3' ('fsdp')
                    world_size:int=1, # ranks to launch (1: in this process)
                    optimizer:str='adamw',
                    precision:str='fp32', # 'fp32', 'bf16-mixed', 'fp16-mixed' (autocast) or 'bf16-true'
@@ -126,8 +125,7 @@ def measure_memory(model, # the `nn.Module` to train one step (a copy is trained
     "Run one real training step and put the measured bytes per component beside the estimate, for each rank"
     s, optimizer, precision = check_setup(strategy, world_size, optimizer, precision)
     if s not in MEASURABLE:
-        raise ValueError(f"measure_memory runs torch's own strategies, 'single', 'ddp' and 'zero3' ('fsdp'); {s!r} "
-                         "is a DeepSpeed stage torch has no implementation of: estimate it with estimate_memory")
+        raise ValueError(f"measure_memory runs wrap's strategies, {', '.join(map(repr, MEASURABLE))}, not {s!r}")
     if precision == 'zero-mixed':
         raise ValueError("precision='zero-mixed' is ZeRO's accounting (fp32 master weights inside the optimizer), "
                          "which torch does not train; measure 'bf16-mixed' (autocast, the same 16 bytes per parameter "

@@ -13,14 +13,14 @@ from .models import find_blocks
 from .activations import ActivationTrace, trace_activations
 
 # %% auto #0
-__all__ = ['OPTIMIZERS', 'ALIASES', 'SHARDS', 'BUCKET', 'optimizer_bytes', 'TransformerShape', 'ModelSizes', 'model_sizes',
+__all__ = ['OPTIMIZERS', 'ALIASES', 'SHARDS', 'optimizer_bytes', 'TransformerShape', 'ModelSizes', 'model_sizes',
            'MemoryEstimate', 'check_setup', 'estimate_memory', 'MemoryPlan', 'recommend', 'memory_explorer']
 
 # %% ../nbs/03a_memory.ipynb #33173573
 OPTIMIZERS = {'sgd': 0, 'momentum': 1, 'adam': 2, 'adamw': 2}  # optimizer state tensors per parameter
 ALIASES = {'fsdp': 'zero3'}
-SHARDS = {'single': (), 'ddp': (), 'zero1': ('optimizer',), 'zero2': ('optimizer', 'gradients'),
-          'zero3': ('optimizer', 'gradients', 'parameters')}  # the strategies, and the model states each splits
+SHARDS = {'single': (), 'ddp': (), 'zero1': ('optimizer',), 'zero2': ('optimizer', 'gradients', 'parameters'),
+          'zero3': ('optimizer', 'gradients', 'parameters')}  # the strategies (as `wrap` runs them), what each splits
 
 # %% ../nbs/03a_memory.ipynb #fc73602f
 def _check_optimizer(optimizer):
@@ -92,11 +92,23 @@ def _state_elements(sizes, psi, strategy, ws, rank):
     ceil = lambda n: -(-n // ws)
     if sizes is None:
         return [ceil(psi) if c in SHARDS[strategy] else psi for c in ('parameters', 'gradients', 'optimizer')]
-    if strategy == 'zero3':  # FSDP2's dim-0 shards: padded for parameters and gradients, the rank's own rows for states
+    if strategy in ('zero2', 'zero3'):  # FSDP2's dim-0 shards: padded for parameters and gradients, own rows for states
         return [sum(shard_numel(s, ws) for s, _ in sizes.shapes), sum(shard_numel(s, ws) for s, t in sizes.shapes if t),
                 sum(shard_numel(s, ws, rank) for s, t in sizes.shapes if t)]
     n, t = sizes.params, sizes.trainable
-    return [n, ceil(t) if 'gradients' in SHARDS[strategy] else t, ceil(t) if 'optimizer' in SHARDS[strategy] else t]
+    return [n, t, _zero1_share(sizes, ws, rank)[0] if strategy == 'zero1' else t]
+
+def _zero1_share(sizes, ws, rank):
+    "(elements, tensors) of trainable parameters ZeroRedundancyOptimizer gives `rank`: largest first, to the least full"
+    load, mine = [0] * ws, [0, 0]
+    for n in sorted((math.prod(s) for s, t in sizes.shapes if t), reverse=True):
+        r = load.index(min(load)); load[r] += n
+        if r == rank: mine[0] += n; mine[1] += 1
+    return mine
+
+def _state_tensors(sizes, strategy, ws, rank):
+    "Trainable parameter tensors whose optimizer state this rank holds (torch's Adam keeps a `step` for each)"
+    return _zero1_share(sizes, ws, rank)[1] if strategy == 'zero1' else sum(t for _, t in sizes.shapes)
 
 # %% ../nbs/03a_memory.ipynb #63f150ea
 @dataclass
@@ -126,6 +138,16 @@ class MemoryEstimate:
     @property
     def label(self) -> str:
         return self.strategy + ' + checkpointing' * self.checkpoint + ' + offload' * self.offload
+    @property
+    def unknown(self) -> list:
+        "What the total leaves out: activations not estimated, gathered units not known"
+        return (['activations'] * (self.activations is None) +
+                ['gathered units'] * (self.strategy in ('zero2', 'zero3') and self.unit is None))
+    @property
+    def total_text(self) -> str:
+        "The total, marked '≥' when a component is unknown, 'unknown' when all that is known is nothing"
+        if self.unknown and not self.total: return 'unknown'
+        return ('≥ ' if self.unknown else '') + fmt_bytes(self.total)
 
     def rows(self) -> list:
         "(component, bytes, note) rows of the table"
@@ -141,7 +163,9 @@ class MemoryEstimate:
                 ('optimizer states', self.optimizer_states, sh('optimizer') + off('optimizer')),
                 ('model states', self.model_states, ''),
                 ('activations', self.activations, act + ', checkpointed' * self.checkpoint),
-                ('temporary buffers', self.temporary, tmp), ('total', self.total, 'per device'),
+                ('temporary buffers', self.temporary, tmp),
+                ('total', self.total, 'per device' + (f"; at least: {' and '.join(self.unknown)} not counted"
+                                                      if self.unknown else '')),
                 ('offloaded to host', self.offloaded, 'per rank')][:8 if self.offload else 7]
 
     def title(self) -> str:
@@ -149,7 +173,9 @@ class MemoryEstimate:
                 f"{self.optimizer}, {self.precision} precision")
     def to_dict(self) -> dict:
         return asdict(self) | dict(model_states=self.model_states, total=self.total, label=self.label)
-    def _table(self): return ('component', 'per device', 'note'), [(c, fmt_bytes(b), n) for c, b, n in self.rows()]
+    def _table(self):
+        f = lambda c, b: '-' if b is None else self.total_text if c == 'total' else fmt_bytes(b)
+        return ('component', 'per device', 'note'), [(c, f(c, b), n) for c, b, n in self.rows()]
     def _repr_markdown_(self): return f"**{self.title()}**\n\n" + md_table(*self._table())
     def __str__(self): return self.title() + '\n' + text_table(*self._table())
 
@@ -165,8 +191,11 @@ def check_setup(strategy, world_size:int, optimizer:str, precision:str, offload:
         raise ValueError(f"strategy='single' runs on one device, so world_size must be 1, not {world_size}; "
                          f"use 'ddp' or a ZeRO stage for {world_size} devices")
     if offload and s in ('single', 'ddp'):
-        raise ValueError(f"offload=True needs a sharded strategy ('zero1', 'zero2', 'zero3'): {s!r} keeps every model "
-                         "state on the device")
+        raise ValueError(f"offload=True needs a sharded strategy ('zero3', FSDP2's CPUOffloadPolicy): {s!r} keeps "
+                         "every model state on the device")
+    if offload and s != 'zero3':
+        raise ValueError(f"offload=True is FSDP2's CPUOffloadPolicy, which moves parameters, gradients and optimizer "
+                         f"state together: plan it with 'zero3', not {s!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in 0..{world_size - 1} for world_size={world_size}")
     return s, _check_optimizer(optimizer), check_precision(precision)
@@ -184,13 +213,11 @@ def _activations(model, sizes, batch, loss_fn, shape, activations, precision, ch
     if shape is not None: return shape.activation_bytes(PRECISIONS[precision][4], checkpoint), 'formula'
     return None, 'not estimated'
 
-BUCKET = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size and allgather_bucket_size
-
-def _temporary(strategy, optimizer, precision, trainable, unit, opt_elems):
+def _temporary(strategy, optimizer, precision, params, trainable, unit, opt_elems):
     "Approximate bytes of (communication, optimizer) buffers that live only during the step (see the list above)"
-    pb, gb, _, sb, cb, _ = PRECISIONS[precision]
-    bucket = min(trainable, BUCKET) * (pb + gb)
-    comm = dict(single=0, ddp=trainable * gb, zero1=bucket, zero2=bucket, zero3=3 * (unit or 0) * cb)[strategy]
+    _, gb, _, sb, cb, _ = PRECISIONS[precision]
+    comm = dict(single=0, ddp=trainable * gb, zero1=0, zero2=(params + (unit or 0)) * cb,
+                zero3=3 * (unit or 0) * cb)[strategy]
     return comm, (opt_elems * sb if OPTIMIZERS[optimizer] == 2 else 0)
 
 # %% ../nbs/03a_memory.ipynb #42668ba8
@@ -219,12 +246,12 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
     trainable = sizes.trainable if sizes else psi
     p, g, o = _state_elements(sizes, psi, strategy, world_size, rank)
     pb, gb = PRECISIONS[precision][:2]
-    adam_steps = sizes and OPTIMIZERS[optimizer] == 2 and strategy not in ('zero1', 'zero2')  # a 4-byte step per tensor
-    steps = 4 * sum(t for _, t in sizes.shapes) if adam_steps else 0
+    adam_steps = sizes and OPTIMIZERS[optimizer] == 2  # torch's Adam: a 4-byte step per tensor it holds state for
+    steps = 4 * _state_tensors(sizes, strategy, world_size, rank) if adam_steps else 0
     dev = dict(parameters=p * pb + (sizes.buffer_bytes if sizes else 0), gradients=g * gb,
                optimizer=o * optimizer_bytes(optimizer, precision) + steps)
     unit = sizes.largest_unit if sizes else (-(-psi // shape.layers) if shape else None)
-    comm, opt_tmp = _temporary(strategy, optimizer, precision, trainable, unit, o)
+    comm, opt_tmp = _temporary(strategy, optimizer, precision, psi, trainable, unit, o)
     host = sum(dev[c] for c in SHARDS[strategy]) + opt_tmp if offload else 0
     if offload: dev |= {c: 0 for c in SHARDS[strategy]}
     acts, src = _activations(model, sizes, batch, loss_fn, shape, activations, precision, checkpoint, units)
@@ -233,11 +260,12 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
                           dev['optimizer'], acts, tmp, host, checkpoint, offload, src, rank, unit)
 
 # %% ../nbs/03a_memory.ipynb #57e94ad1
-def _ladder(ws):
-    "(strategy, checkpoint, offload) options in the order `recommend` tries them"
-    offload = [('zero3', False, True), ('zero3', True, True)]
-    if ws == 1: return [('single', False, False), ('single', True, False)] + offload
-    return [(s, c, False) for c in (False, True) for s in ('ddp', 'zero1', 'zero2', 'zero3')] + offload
+def _ladder(ws, checkpoint=True):
+    "(strategy, checkpoint, offload) options in the order `recommend` tries them; `checkpoint`: try checkpointing"
+    cks = (False, True) if checkpoint else (False,)
+    offload = [('zero3', c, True) for c in cks]
+    if ws == 1: return [('single', c, False) for c in cks] + offload
+    return [(s, c, False) for c in cks for s in ('ddp', 'zero1', 'zero2', 'zero3')] + offload
 
 def _pipeline(single:MemoryEstimate, stages:int) -> MemoryEstimate:
     "A 1F1B pipeline over `stages` devices: a stage keeps 1/stages of the model states, one micro-batch's activations"
@@ -266,42 +294,80 @@ class MemoryPlan:
     device: str
     estimates: list     # MemoryEstimate of every option, in the order tried; the single-device check first
     chosen: int|None    # index of the recommended estimate
+    margin: float = 0.1 # fraction of device memory kept free
 
     @property
     def label(self): return 'nothing fits' if self.strategy is None else self.estimates[self.chosen].label
+    @property
+    def wrap_kwargs(self) -> dict|None:
+        "What `wrap(model, **plan.wrap_kwargs)` needs to apply the plan (None when nothing fits)"
+        if self.strategy is None: return None
+        kw = dict(strategy=self.strategy)
+        if self.checkpoint: kw['checkpoint'] = True
+        if self.offload: kw['offload'] = True
+        return kw
+    @property
+    def code(self) -> str:
+        "The plan as lines of Python: wrap, the optimizer, fit"
+        if self.strategy is None: return ''
+        e = self.estimates[self.chosen]
+        opts = ''.join(f", {k}={v!r}" for k, v in self.wrap_kwargs.items() if k != 'strategy')
+        extra = ", loss_fn=loss_fn" if self.strategy == 'pipeline' else ''
+        opt = dict(sgd='SGD', momentum='SGD', adam='Adam', adamw='AdamW')[e.optimizer]
+        p = {'zero-mixed': 'bf16-mixed'}.get(e.precision, e.precision)  # torch trains ZeRO's 16 bytes as autocast
+        prec = '' if p == 'fp32' else f", precision={p!r}"
+        return (f"model = dtnb.wrap(model, {self.strategy!r}{opts}{extra})\n"
+                f"optimizer = dtnb.make_optimizer(model, torch.optim.{opt}, lr=...)\n"
+                f"dtnb.fit(model, loader, optimizer{prec})")
+    def assumptions(self) -> str:
+        "What the table assumes: optimizer, precision, activations, margin"
+        e = self.estimates[0]
+        acts = {'traced': 'traced from the batch', 'formula': "from the transformer formula",
+                'given': 'as given'}.get(e.activation_source, "not counted (give batch= or shape=): totals are lower "
+                                         "bounds and checkpointing is not planned")
+        return (f"assumes {e.optimizer}, {e.precision} precision, activations {acts}; budget {fmt_bytes(self.budget)} "
+                f"per device ({fmt_bytes(self.memory)} {self.device}, less a {self.margin:.0%} margin)")
+    def _fits(self, e):
+        if e.total > self.budget: return 'no'
+        return f"if activations ≤ {fmt_bytes(self.budget - e.total)}" if e.activations is None else 'yes'
     def rows(self):
-        return [(('→ ' if i == self.chosen else '') + e.label, e.world_size, fmt_bytes(e.model_states),
-                 fmt_bytes(e.activations), fmt_bytes(e.temporary), fmt_bytes(e.total),
-                 'yes' if e.total <= self.budget else 'no') for i, e in enumerate(self.estimates)]
+        states = lambda e: f"{fmt_bytes(e.offloaded)} on host" if e.offload else fmt_bytes(e.model_states)
+        lower = lambda e, b: (('≥ ' + fmt_bytes(b)) if b else 'not counted') if 'gathered units' in e.unknown \
+                             else fmt_bytes(b)
+        return [(('→ ' if i == self.chosen else '') + e.label, e.world_size, states(e),
+                 'not counted' if e.activations is None else fmt_bytes(e.activations), lower(e, e.temporary),
+                 e.total_text, self._fits(e)) for i, e in enumerate(self.estimates)]
     _cols = ('option', 'devices', 'model states', 'activations', 'temporary', 'total per device', 'fits')
     def _head(self):
-        return (f"{self.label}: {self.reason}\nbudget {fmt_bytes(self.budget)} per device "
-                f"({fmt_bytes(self.memory)} {self.device}, less the margin)")
+        run = f"\nrun it: {self.code.splitlines()[0]}" if self.strategy else ''
+        return f"{self.label}: {self.reason}\n{self.assumptions()}{run}"
     def to_dict(self):
         return dict(strategy=self.strategy, checkpoint=self.checkpoint, offload=self.offload, reason=self.reason,
                     memory=self.memory, budget=self.budget, device=self.device, chosen=self.chosen,
+                    margin=self.margin, wrap_kwargs=self.wrap_kwargs, assumptions=self.assumptions(), code=self.code,
                     estimates=[e.to_dict() for e in self.estimates])
     def _repr_markdown_(self):
         h = self._head().split('\n')
-        return f"**{h[0]}**\n\n{h[1]}\n\n" + md_table(self._cols, self.rows())
+        return f"**{h[0]}**\n\n" + ''.join(f"{l}\n\n" for l in h[1:]) + md_table(self._cols, self.rows())
     def __str__(self): return self._head() + '\n\n' + text_table(self._cols, self.rows())
 
 # %% ../nbs/03a_memory.ipynb #381d8810
 def _reason(plan_opts, single, chosen, budget, ws):
     "One sentence on why the chosen option was picked"
     if single.total <= budget:
-        return (f"fits on one device ({fmt_bytes(single.total)}): train there" +
+        return (f"fits on one device ({single.total_text}): train there" +
                 (f", or use DDP over {ws} devices for speed" if ws > 1 else ''))
-    need = f"one device would need {fmt_bytes(single.total)}"
+    need = f"one device would need {single.total_text}"
     if chosen is None:
         last = plan_opts[-1]
-        return (f"{need}, and even {last.label} needs {fmt_bytes(last.total)} per device: use more devices, "
+        return (f"{need}, and even {last.label} needs {last.total_text} per device: use more devices, "
                 "a smaller micro-batch, or tensor parallelism")
     e = plan_opts[chosen]
     pipe = next((p for p in plan_opts if p.strategy == 'pipeline' and p.total <= budget), None)
     also = (f"; a pipeline of {pipe.world_size} stages ({pipe.label}) fits too, without the host traffic"
             if e.offload and pipe else '')
-    return f"{need}; {e.label} needs {fmt_bytes(e.total)} per device, the first option that fits{also}"
+    needs = 'an unknown amount' if e.total_text == 'unknown' else e.total_text
+    return f"{need}; {e.label} needs {needs} per device, the first option that fits{also}"
 
 def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
               batch=None, # example batch per device, traced for the activations (with a model)
@@ -330,20 +396,21 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
     kw = dict(optimizer=optimizer, precision=precision, shape=shape, units=units)
     if batch is not None: kw['activations'] = trace_activations(model, batch, loss_fn, precision, units)
     single = estimate_memory(model, 'single', 1, **kw)
-    opts = [estimate_memory(model, s, ws, checkpoint=c, offload=o, **kw) for s, c, o in _ladder(ws)]
+    acts = single.activations is not None  # without activations, checkpointing changes nothing the table shows
+    opts = [estimate_memory(model, s, ws, checkpoint=c, offload=o, **kw) for s, c, o in _ladder(ws, acts)]
     if isinstance(model, TransformerShape): shape = shape or model
     layers = shape.layers if shape else (len(find_blocks(model, units)) if hasattr(model, 'parameters') else 0)
     stages = min(ws, layers or ws)  # no more stages than layers
     if stages > 1:
-        ckpt = estimate_memory(model, 'single', 1, checkpoint=True, **kw)
-        opts += [_pipeline(single, stages), _pipeline(ckpt, stages)]
+        opts.append(_pipeline(single, stages))
+        if acts: opts.append(_pipeline(estimate_memory(model, 'single', 1, checkpoint=True, **kw), stages))
     budget = int(memory * (1 - margin))
     chosen = next((i for i, e in enumerate(opts) if e.total <= budget), None)
     ests = ([single] if ws > 1 else []) + opts
     e = None if chosen is None else opts[chosen]
     return MemoryPlan(None if e is None else e.strategy, bool(e and e.checkpoint), bool(e and e.offload),
                       _reason(opts, single, chosen, budget, ws), int(memory), budget, device, ests,
-                      None if chosen is None else chosen + (ws > 1))
+                      None if chosen is None else chosen + (ws > 1), margin)
 
 # %% ../nbs/03a_memory.ipynb #38581a6d
 class _Message(str):

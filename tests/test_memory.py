@@ -12,16 +12,20 @@ from dtnb.models import ToyModel, GPT, find_blocks
 # ---- the ZeRO paper's figure 1 -------------------------------------------------------------------------------------
 
 def test_zero_paper_figure():
-    "7.5B parameters, 64 devices, mixed-precision Adam: 120, 31.4, 16.6, 1.9 GB of model states per device"
+    "7.5B parameters, 64 devices, mixed-precision Adam: 120, 31.4, 16.6, 1.9 GB per device (ZeRO-2 at its peak)"
     got = {s: estimate_memory(7.5e9, strategy=s, world_size=64, optimizer='adam', precision='zero-mixed').model_states / 1e9
            for s in ('ddp', 'zero1', 'zero2', 'zero3', 'fsdp')}
-    for s, paper in dict(ddp=120, zero1=31.4, zero2=16.6).items():
+    for s, paper in dict(ddp=120, zero1=31.4).items():
         assert abs(got[s] - paper) <= 0.01 * paper, (s, got[s], paper)
     # 16Ψ/N = 1.875 GB exactly; the paper prints it rounded to 1.9 (1.3% away), so compare at the paper's precision
-    assert got['zero3'] == got['fsdp'] == 1.875 and round(got['zero3'], 1) == 1.9
+    assert got['zero3'] == got['fsdp'] == got['zero2'] == 1.875 and round(got['zero3'], 1) == 1.9
     assert optimizer_bytes('adam', 'zero-mixed') == 12
+    # FSDP2's ZeRO-2 (what wrap runs) holds ZeRO-3's states at rest and 2Ψ of gathered parameters from forward to
+    # backward: 2Ψ + 16Ψ/N = 16.9 GB at the step's peak, where the paper's ZeRO-2 keeps 2Ψ + 14Ψ/N = 16.6 GB
     e = estimate_memory(7.5e9, strategy="zero2", world_size=64, optimizer="adamw", precision="zero-mixed")
-    assert round(e.model_states / 1e9, 1) == 16.6 and e.total == e.model_states + e.temporary
+    gathered = 2 * 7.5e9
+    assert e.temporary == gathered + 7.5e9 / 64 * 4 and e.total == e.model_states + e.temporary
+    assert abs((e.model_states + gathered) / 1e9 - 16.6) < 0.3
 
 
 # ---- estimated vs measured on real gloo ranks ----------------------------------------------------------------------
@@ -35,7 +39,8 @@ XY = (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)), torch.rand
 
 @pytest.mark.parametrize('strategy,optimizer,precision,frozen', [
     ('ddp', 'adamw', 'fp32', False), ('fsdp', 'adamw', 'fp32', False), ('fsdp', 'momentum', 'bf16-mixed', False),
-    ('fsdp', 'sgd', 'bf16-true', False), ('ddp', 'adam', 'bf16-true', True), ('zero3', 'adamw', 'fp32', True)])
+    ('fsdp', 'sgd', 'bf16-true', False), ('ddp', 'adam', 'bf16-true', True), ('zero3', 'adamw', 'fp32', True),
+    ('zero1', 'adamw', 'fp32', True), ('zero2', 'momentum', 'bf16-mixed', False)])
 def test_estimate_equals_measurement_on_two_ranks(strategy, optimizer, precision, frozen):
     r = measure_memory(_toy(frozen), XY, strategy, world_size=2, optimizer=optimizer, precision=precision,
                        loss_fn=F.mse_loss, timeout=120)
@@ -175,7 +180,7 @@ def test_explorer_follows_its_controls():
     (lambda: estimate_memory(1e9, 'ddp', -1), "world_size=-1 must be a whole number of devices >= 1"),
     (lambda: estimate_memory(1e9, optimizer='lion'), "optimizer='lion' is not one of"),
     (lambda: estimate_memory(1e9, precision='fp8'), "precision='fp8' is not one of"),
-    (lambda: measure_memory(ToyModel(), torch.randn(2, 16), 'zero1', 2), "measure_memory runs torch's own strategies"),
+    (lambda: measure_memory(ToyModel(), torch.randn(2, 16), 'pipeline', 2), "strategy='pipeline' is not one of"),
     (lambda: measure_memory(ToyModel(), torch.randn(2, 16), precision='zero-mixed'),
      "precision='zero-mixed' is ZeRO's accounting"),
     (lambda: estimate_memory(1e9, precision='amp'), "did you mean 'bf16-mixed'"),
