@@ -341,6 +341,17 @@ def trace_stages(model:nn.Module, split:PipelineSplit, example, atol:float=1e-5)
     "`split` with stages traced by torch's `pipeline` on `example`, one microbatch; checked to reproduce `model`"
     with _no_cache(model): return _trace_stages(model, split, example, atol)
 
+def _check_root_inputs(model, pipe, points):
+    "torch's pipelining hands the model's inputs to the first stage only: a later stage may not read them"
+    for node in pipe.split_gm.graph.nodes:
+        if node.op != 'call_module' or node.target.endswith('_0'): continue
+        if roots := [a.name for a in node.all_input_nodes if a.op == 'placeholder']:
+            s = int(node.target.rpartition('_')[2])
+            raise ValueError(f"stage {s} of {type(model).__name__} (from {points[s - 1]!r}) reads the model's input "
+                             f"{', '.join(roots)} directly (a skip connection from the input): torch's pipelining "
+                             "gives the inputs to the first stage only. Cut after the skip connection closes "
+                             "(split_points=...), or train this model with 'ddp'/'zero3'")
+
 def _trace_stages(model, split, example, atol):
     from torch.utils._pytree import tree_flatten
     points = [split.stage_units(s)[0] for s in range(1, split.n_stages)]
@@ -353,6 +364,7 @@ def _trace_stages(model, split, example, atol):
     if pipe.num_stages != split.n_stages:
         raise ValueError(f"torch's tracer cut {type(model).__name__} into {pipe.num_stages} stages, not "
                          f"{split.n_stages}: some of {points} are not called in the forward")
+    _check_root_inputs(model, pipe, points)
     with torch.no_grad(), torch.random.fork_rng():  # the same random numbers for dropout in both runs
         seed = torch.seed()
         want = model(*_as_tuple(example)); torch.manual_seed(seed)
