@@ -145,7 +145,7 @@ class PipelineSplit:
     costs: list    # cost of each unit: parameters ('params', 'points') or seconds ('time')
     bounds: list   # stage s runs units[bounds[s]:bounds[s+1]]
     by: str        # 'params', 'time' or 'points'
-    trace: TracedStages|None = field(default=None, repr=False)  # set when the stages come from torch's tracer
+    trace: object = field(default=None, repr=False)  # a TracedStages, when the stages come from torch's tracer
 
     @property
     def n_stages(self): return len(self.bounds) - 1
