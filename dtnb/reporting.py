@@ -38,7 +38,6 @@ def fold(table:str, rows:int, what:str='rows', limit:int=12) -> str:
 
 # %% ../nbs/07_reporting.ipynb #0713a680
 GAIN = 1.05  # a parallel strategy is recommended for speed only when it measured at least this speed-up
-_WRAP = {'zero1': 'fsdp', 'zero2': 'fsdp', 'zero3': 'fsdp'}  # planner strategy -> the `wrap` that trains it
 _SECTIONS = ('plan', 'training', 'loader', 'bench')  # what the summary reads
 
 def _api(name):
@@ -168,8 +167,10 @@ def _next_steps(strategy, n, bound, settings, fmt, data, missing) -> list:
     task = training.get('task') or (data.get('plan') or {}).get('task') or {}
     if strategy == 'none': steps.append(("plan for more devices", "dtnb plan --params 7e9 --world-size 8"))
     elif strategy == 'single': steps.append(("train in one process", "fit(model, loader, optimizer)"))
-    elif strategy: steps.append((f"train with {strategy} on {n} ranks (train.py: model = wrap(model, "
-                                 f"'{_WRAP.get(strategy, strategy)}'))", f"dtnb launch -n {n} train.py"))
+    elif strategy:  # every planner strategy is a `wrap` strategy; ZeRO-1 splits the optimizer, so it builds it
+        opt = "; optimizer = make_optimizer(model, torch.optim.AdamW)" if strategy == 'zero1' else ''
+        steps.append((f"train with {strategy} on {n} ranks (train.py: model = wrap(model, '{strategy}'){opt})",
+                      f"dtnb launch -n {n} train.py"))
     if bound and settings: steps.append(("feed the model faster", _loader_code(settings, strategy)))
     if 'loader' in missing: steps.append(("check whether input is the bottleneck", "dtnb report --sections loader"))
     if fmt in _PRECISION:

@@ -123,21 +123,20 @@ def plan_section(quick=True, task=None, nprocs=2, **_) -> Section:
     batch = task.examples(16) if task.has_data else None
     p = recommend(task.build(), batch=batch, loss_fn=task.loss_fn if batch else None, world_size=nprocs,
                   precision='fp32')
-    acts = 'traced from a batch of 16' if batch else 'not counted (no batch: pass --input-shape or --batch)'
-    assume = (f"Planned for {nprocs} devices: fp32 (as the training section trains), AdamW states, activations {acts}, "
-              f"10% of device memory kept free. Model: {task.describe()}.")
+    acts = 'activations traced from a batch of 16' if batch else 'to count activations, pass --input-shape or --batch'
+    assume = f"Planned for {nprocs} devices in fp32, as the training section trains ({acts}). Model: {task.describe()}."
     return Section('Which strategy fits', f"{assume}\n\n{p._repr_markdown_()}", f"{assume}\n{p}",
                    dict(model=task.describe(), task=dict(model=task.model and str(task.model)), assumptions=assume,
                         plan=p.to_dict()))
 
 # %% ../nbs/07a_sections.ipynb #deffe3cf
-STRATEGY_RUNS = ['ddp', 'fsdp', 'pipeline']  # strategies trained beside the single-process reference
+STRATEGY_RUNS = ['ddp', 'zero1', 'zero2', 'fsdp', 'pipeline']  # trained beside the single-process reference
 
 def _train_strategy(strategy, steps, task):
     "Runs inside each rank (or the single process): the task's model through `fit`, or why the strategy cannot apply"
     import torch
     from torch.utils.data import TensorDataset
-    from dtnb import wrap, distributed_loader, fit
+    from dtnb import wrap, distributed_loader, fit, make_optimizer
     model, (x, y), loss_fn = task.build(), task.examples(512), task.loss_fn
     grad = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     opts = dict(loss_fn=loss_fn, n_microbatches=4, example=x[:4]) if strategy == 'pipeline' else {}
@@ -148,7 +147,7 @@ def _train_strategy(strategy, steps, task):
         loader = distributed_loader(TensorDataset(x, y), batch_size=16, shuffle=False, num_replicas=1, rank=0)
     else: loader = distributed_loader(TensorDataset(x, y), global_batch_size=16, shuffle=False)
     torch.manual_seed(0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05 if task.model is None else 0.01)  # random labels diverge at 0.05
+    opt = make_optimizer(model, torch.optim.SGD, lr=0.05 if task.model is None else 0.01)  # random labels: lower lr
     return dict(fit(model, loader, opt, loss_fn=loss_fn, max_steps=steps, progress=False).to_dict(), grad_bytes=grad)
 
 # %% ../nbs/07a_sections.ipynb #633bbde5

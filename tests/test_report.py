@@ -31,7 +31,8 @@ def test_report_quick_writes_everything(quick):
     for f in ('report.md', 'report.html', 'results.json'): assert (out / f).stat().st_size > 200, f
     assert res['ok'] is True
     training = res['sections'][TRAINING]['data']
-    assert training['agree'] is True and set(training['runs']) == {'single', 'ddp', 'fsdp', 'pipeline'}
+    assert training['agree'] is True
+    assert set(training['runs']) == {'single', 'ddp', 'zero1', 'zero2', 'fsdp', 'pipeline'}
     ref = training['runs']['single']['losses']
     for name, run in training['runs'].items():
         assert len(run['losses']) == len(ref) and max(abs(a - b) for a, b in zip(run['losses'], ref)) < 1e-4, name
