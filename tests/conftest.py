@@ -4,6 +4,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
+@pytest.fixture(scope='module')
+def one_thread_per_module():
+    "One torch thread for a module's tests: its single-process references are tiny, and the other core goes to ranks"
+    import torch
+    n = torch.get_num_threads(); torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 @pytest.fixture
 def run_cli():
     "Run the installed `dtnb` command as a subprocess; returns the CompletedProcess"

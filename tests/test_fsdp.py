@@ -10,12 +10,7 @@ from dtnb.fsdp import state_bytes, full_state_dict, check_optimizer, plan_fsdp
 from dtnb.models import ToyModel, Block, toy_data
 
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    "The single-process references here are tiny: one thread is fastest and leaves the other core to the ranks"
-    n = torch.get_num_threads(); torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures('one_thread_per_module')
 
 
 def make_opt(model, opt):

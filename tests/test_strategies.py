@@ -17,12 +17,7 @@ transformers.logging.set_verbosity_error()
 STEPS, BATCH, SEQ, VOCAB = 3, 4, 16, 128
 
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    "The single-process references here are tiny: one thread is fastest and leaves the other core to the ranks"
-    n = torch.get_num_threads(); torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures('one_thread_per_module')
 
 
 def gpt2():
