@@ -164,6 +164,13 @@ def _step_losses(losses, strategy) -> list:
     if not losses: return []
     return _mean_over_ranks(losses) if strategy != 'pipeline' else [float(l) for l in losses]
 
+def _pipeline_args(group, keys=None) -> tuple:
+    "The arguments of a pipeline's `step` for a group of batches: tensors concatenated (a dict's key by key)"
+    if isinstance(group[0], dict):
+        cat = {k: torch.cat([b[k] for b in group]) for k in group[0]}
+        return (cat[keys[0]], cat[keys[1]]) if keys else (cat,)  # a dict goes whole: `Pipeline.step` reads its keys
+    return tuple(torch.cat(parts) for parts in zip(*group))
+
 # %% ../nbs/04d_train.ipynb #c012
 _HISTORY = ('losses', 'lrs', 'grad_norms')
 
@@ -339,6 +346,9 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
     precision = _precision(model, precision)  # checks the name before any work
     device, strategy = current_device(), _strategy_name(model)
     if strategy == 'pipeline' and val_loader is not None: raise ValueError("fit validates no pipeline yet")
+    if strategy == 'pipeline' and step_fn is not None:
+        raise ValueError("step_fn does not apply to a pipeline: its loss is computed on the last stage by the loss_fn "
+                         "given to apply_pipeline(model, loss_fn, ...); pass keys=(inputs, targets) for dict batches")
     _check_fp16(precision, device)
     for l, what in ((loader, 'loader'), (val_loader, 'val_loader')): _check_loader(l, strategy, what)
     check_optimizer(model, optimizer)  # an optimizer built before sharding would silently train nothing
@@ -397,7 +407,7 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
         group = [_cast_inputs(to_device(b, device, non_blocking=True), precision, keys) for b in group]
         pend['lr'].append(float(optimizer.param_groups[0]['lr']))
         if strategy == 'pipeline':  # one step over the whole group: the pipeline splits it into its microbatches
-            step_loss = model.step(*(torch.cat(parts) for parts in zip(*group)))
+            step_loss = model.step(*_pipeline_args(group, keys))
             pend['norm'].append(_opt_step(model, optimizer, None, clip))
         else:
             micro = [_micro_step(model, b, fwd, device, precision, scaler, accumulate, i == accumulate - 1)

@@ -263,7 +263,7 @@ def test_mesh_is_named_and_tp_innermost():
 
 
 # ---------------------------------------------------------------- the training loop
-def fit_pipe(degrees):
+def fit_pipe(degrees, dicts=False):
     from torch.utils.data import DataLoader
     from dtnb.train import fit
     quiet()
@@ -273,13 +273,16 @@ def fit_pipe(degrees):
     r, n = data_rank(mesh)
     x, y = toy_data(64)[:48]
     ds = torch.utils.data.TensorDataset(*(t.view(3, n, 16 // n, -1)[:, r].reshape(-1, t.shape[-1]) for t in (x, y)))  # this rank's share
-    res = fit(model, DataLoader(ds, batch_size=16 // n), torch.optim.SGD(model.parameters(), lr=0.1), progress=False)
+    kw = dict(keys=('inputs', 'targets')) if dicts else {}
+    if dicts: ds = [dict(inputs=a, targets=b) for a, b in ds]  # dict batches: fit cuts them by `keys`
+    res = fit(model, DataLoader(ds, batch_size=16 // n), torch.optim.SGD(model.parameters(), lr=0.1), progress=False,
+              **kw)
     return res.losses, res.samples, {k: full(v).detach().clone() for k, v in model.state_dict().items()}, model.data_parallel_size
 
-@pytest.mark.parametrize('degrees', [dict(pp=2), dict(pp=2, dp_replicate=2)])
-def test_fit_trains_a_pipeline_like_one_process(degrees):
+@pytest.mark.parametrize('degrees,dicts', [(dict(pp=2), False), (dict(pp=2), True), (dict(pp=2, dp_replicate=2), False)])
+def test_fit_trains_a_pipeline_like_one_process(degrees, dicts):
     losses, _, params = ref()
-    res = launch(fit_pipe, degrees, nprocs=2 * len(degrees))
+    res = launch(fit_pipe, degrees, dicts, nprocs=2 * len(degrees))
     for l, samples, _, dp in res:
         assert_close(l, losses, what='loss'); assert samples == 48 and dp == degrees.get('dp_replicate', 1)
     p = {k: v for _, _, ps, _ in res for k, v in ps.items()}
