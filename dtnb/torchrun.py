@@ -6,9 +6,10 @@ Docs: https://dtnb-dev.github.io/dtnb/torchrun.html.md"""
 
 # %% ../nbs/01a_torchrun.ipynb #8721b66a
 from __future__ import annotations
-import os, sys
+import os, sys, warnings
 from .device import usable_cores
-from .launcher import free_port, _check_args
+from .launcher import free_port, _check_args, _cpu_oversubscription
+from .utils import accelerators
 
 # %% auto #0
 __all__ = ['torchrun_command']
@@ -20,6 +21,9 @@ _RDZV_OPTS = ('--standalone', '--rdzv-endpoint', '--rdzv_endpoint', '--master-ad
 def torchrun_command(nprocs:int, script:str, script_args=(), torchrun_args=()) -> tuple[list, dict]:
     "The torchrun command line and extra environment for `dtnb launch -n nprocs script ...`"
     _check_args(print, nprocs)
+    if accelerators()[0] is None and (why := _cpu_oversubscription(nprocs, None, usable_cores())):
+        warnings.warn(why.replace(f"launch(nprocs={nprocs})", f"dtnb launch -n {nprocs}").replace(
+            f"Use nprocs=", "Use -n "), stacklevel=2)
     cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc-per-node={nprocs}', *torchrun_args]
     given = {a.split('=')[0].replace('_', '-') for a in torchrun_args}
     if not given & {o.replace('_', '-') for o in _RDZV_OPTS}:  # rendezvous on loopback
