@@ -12,11 +12,12 @@ from typing import ClassVar
 from pathlib import Path
 import torch
 from .device import detect
+from .specs import DEVICES
 from .utils import (md_table, text_table, parse_size, percentile, progress_bar, default_device, synchronize,
                         DTYPES)
 
 # %% auto #0
-__all__ = ['PEAK_MEM_BW', 'resolve_device', 'time_fn', 'summarize', 'cache_bytes', 'BenchResult', 'device_info',
+__all__ = ['PEAK_MEM_BW', 'OTHER_MEM_BW', 'resolve_device', 'time_fn', 'summarize', 'cache_bytes', 'BenchResult', 'device_info',
            'throughput_unit', 'matmul_flops', 'bench_matmul', 'peak_memory_bw', 'bench_memory']
 
 # %% ../nbs/06_bench.ipynb #01d02454
@@ -309,20 +310,22 @@ def _plot_matmul(r, ax):
 BenchResult.plots['matmul'] = _plot_matmul
 
 # %% ../nbs/06_bench.ipynb #8e113e8e
-# Memory bandwidth per device from vendor datasheets (TB/s); checked 2026-11. Unknown devices report 'unknown'.
-PEAK_MEM_BW = [  # (name regex, label, TB/s, source)
-    (r'H100.*(HBM3|SXM)', 'H100 SXM', 3.35, 'NVIDIA H100 datasheet (SXM)'),
-    (r'H100.*PCIe', 'H100 PCIe', 2.0, 'NVIDIA H100 datasheet (PCIe)'),
-    (r'H200(?!.*NVL)', 'H200 SXM', 4.8, 'NVIDIA H200 datasheet (SXM)'),
-    (r'A100.*SXM.*80GB', 'A100 SXM 80GB', 2.039, 'NVIDIA A100 datasheet'),
-    (r'A100.*40GB', 'A100 40GB', 1.555, 'NVIDIA A100 datasheet'),
-    (r'MI300X', 'MI300X', 5.3, 'AMD Instinct MI300X datasheet'),
+# Memory bandwidth per device: the figures live in `dtnb.specs.DEVICES` (datasheets, with sources); this maps the
+# names torch reports to its rows. Unknown devices report 'unknown'.
+PEAK_MEM_BW = [  # (name regex, label in dtnb.specs.DEVICES or in OTHER_MEM_BW)
+    (r'H100.*(HBM3|SXM)', 'H100 SXM'), (r'H100.*PCIe', 'H100 PCIe'), (r'H200(?!.*NVL)', 'H200 SXM'),
+    (r'A100.*SXM.*80GB', 'A100 SXM 80GB'), (r'A100.*40GB', 'A100 SXM 40GB'), (r'V100.*32GB', 'V100 SXM2 32GB'),
+    (r'V100', 'V100 SXM2 16GB'), (r'\bL4\b', 'L4'), (r'L40S', 'L40S'), (r'RTX 4090', 'RTX 4090'), (r'MI300X', 'MI300X'),
 ]
+OTHER_MEM_BW = {'MI300X': (5.3, 'AMD Instinct MI300X datasheet')}  # TB/s of devices dtnb.specs.DEVICES lacks
 
 def peak_memory_bw(name:str) -> tuple[float|None, str|None]:
     "Spec memory bandwidth in TB/s of the device called `name`, and its source; `(None, None)` when unknown"
-    for pat, label, tbs, src in PEAK_MEM_BW:
-        if re.search(pat, name, re.I): return tbs, f"{label}: {src}"
+    for pat, label in PEAK_MEM_BW:
+        if not re.search(pat, name, re.I): continue
+        if label in OTHER_MEM_BW: tbs, src = OTHER_MEM_BW[label]
+        else: tbs, src = DEVICES[label][1] / 1e3, DEVICES[label][-1]
+        return tbs, f"{label}: {src}"
     return None, None
 
 # %% ../nbs/06_bench.ipynb #c63f482f
