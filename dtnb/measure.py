@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/measure.html.md"""
 
 # %% ../nbs/03b_measure.ipynb #b28b55b8
 from __future__ import annotations
-import copy
+import copy, functools
 from dataclasses import dataclass
 import torch
 import torch.distributed as dist
@@ -16,6 +16,7 @@ from .ddp import wrap, make_optimizer
 from .activations import SavedCounter, forward_batch, trace_activations
 from .memory import check_setup, estimate_memory
 from .pipeline import apply_pipeline, _batch
+from .split import _logits
 
 # %% auto #0
 __all__ = ['MEASURABLE', 'MemoryMeasurement', 'measure_memory']
@@ -97,6 +98,8 @@ def _stage_bytes(pipe, opt) -> dict:
                 gradients=_storage_bytes(p.grad for m in ms for p in m.parameters()),
                 optimizer_states=_storage_bytes(states))
 
+def _logits_loss(loss_fn, out, target): return loss_fn(_logits(out), target)  # the pipeline's loss, on logits
+
 def _measure_pipeline(model, batch, optimizer, loss_fn, lr, dev, m0):
     "One 1F1B step of `model` cut by `apply_pipeline` over the ranks, one stage each; the bytes of this rank's stage"
     pipe = apply_pipeline(model, loss_fn, example=_pipeline_example(batch, dist.get_world_size()))
@@ -168,6 +171,7 @@ def measure_memory(model, # the `nn.Module` to train one step (a copy is trained
     args = (batch, s, optimizer, precision, loss_fn, units, lr)
     if world_size == 1: measured = [_measure_step(copy.deepcopy(model), *args)]
     else: measured = launch(_measure_step, model, *args, nprocs=world_size, timeout=timeout)
+    if s == 'pipeline': loss_fn = functools.partial(_logits_loss, loss_fn)  # as the last stage computes it
     trace = trace_activations(model, batch, loss_fn, precision, units)
     ex = _pipeline_example(batch, world_size) if s == 'pipeline' else None
     ests = [estimate_memory(model, s, world_size, optimizer, precision, activations=trace, units=units, rank=r,
