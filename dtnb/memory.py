@@ -14,8 +14,9 @@ from .activations import ActivationTrace, trace_activations
 from .split import split_model, chain_problem, trace_stages, pipeline_units
 
 # %% auto #0
-__all__ = ['OPTIMIZERS', 'ALIASES', 'SHARDS', 'optimizer_bytes', 'TransformerShape', 'ModelSizes', 'model_sizes', 'stage_sizes',
-           'MemoryEstimate', 'check_setup', 'estimate_memory', 'MemoryPlan', 'recommend', 'memory_explorer']
+__all__ = ['OPTIMIZERS', 'ALIASES', 'SHARDS', 'optimizer_bytes', 'TransformerShape', 'ModelSizes', 'model_sizes',
+           'MemoryEstimate', 'check_setup', 'stage_sizes', 'estimate_memory', 'MemoryPlan', 'recommend',
+           'memory_explorer']
 
 # %% ../nbs/03a_memory.ipynb #33173573
 OPTIMIZERS = {'sgd': 0, 'momentum': 1, 'adam': 2, 'adamw': 2}  # optimizer state tensors per parameter
@@ -87,27 +88,6 @@ def model_sizes(model, units=None) -> ModelSizes:
     sizes = [sum(p.numel() for p in u.parameters()) for u in us] + [root]
     return ModelSizes([(tuple(p.shape), p.requires_grad) for p in model.parameters()],
                       sum(b.numel() * b.element_size() for b in model.buffers()), max(sizes))
-
-# %% ../nbs/03a_memory.ipynb #1e419d9a
-def stage_sizes(model, # the `nn.Module` to cut into `n_stages` stages
-                n_stages:int, # pipeline stages, one per rank
-                stage:int, # the stage (rank) whose tensors to count
-                example=None, # one microbatch of the inputs, as given to `apply_pipeline`: checks the cut, traces
-               ) -> ModelSizes:
-    "Parameter shapes and buffer bytes of stage `stage` of `model` cut as `apply_pipeline` cuts it"
-    split = split_model(model, n_stages, example=example)
-    if example is not None and chain_problem(model, split, example):  # not a chain: apply_pipeline traces it
-        m = trace_stages(model, split, example).trace.pipe.get_stage_module(stage)
-        ps, bs = list(m.parameters()), list(m.buffers())
-    else:
-        mine, other = set(), set()
-        for s in range(n_stages):
-            for u in split.stage_units(s):
-                m = model.get_submodule(u)
-                (mine if s == stage else other).update(id(t) for t in (*m.parameters(), *m.buffers()))
-        keep = lambda ts: [t for t in ts if id(t) in mine or id(t) not in other]
-        ps, bs = keep(model.parameters()), keep(model.buffers())
-    return ModelSizes([(tuple(p.shape), p.requires_grad) for p in ps], sum(b.numel() * b.element_size() for b in bs))
 
 # %% ../nbs/03a_memory.ipynb #e2bd79f5
 def _state_elements(sizes, psi, strategy, ws, rank):
@@ -244,6 +224,27 @@ def _temporary(strategy, optimizer, precision, params, trainable, unit, opt_elem
                 zero3=3 * (unit or 0) * cb, pipeline=0)[strategy]  # a pipeline sends activations, not model states
     return comm, (opt_elems * sb if OPTIMIZERS[optimizer] == 2 else 0)
 
+# %% ../nbs/03a_memory.ipynb #1e419d9a
+def stage_sizes(model, # the `nn.Module` to cut into `n_stages` stages
+                n_stages:int, # pipeline stages, one per rank
+                stage:int, # the stage (rank) whose tensors to count
+                example=None, # one microbatch of the inputs, as given to `apply_pipeline`: checks the cut, traces
+               ) -> ModelSizes:
+    "Parameter shapes and buffer bytes of stage `stage` of `model` cut as `apply_pipeline` cuts it"
+    split = split_model(model, n_stages, example=example)
+    if example is not None and chain_problem(model, split, example):  # not a chain: apply_pipeline traces it
+        m = trace_stages(model, split, example).trace.pipe.get_stage_module(stage)
+        ps, bs = list(m.parameters()), list(m.buffers())
+    else:
+        mine, other = set(), set()
+        for s in range(n_stages):
+            for u in split.stage_units(s):
+                m = model.get_submodule(u)
+                (mine if s == stage else other).update(id(t) for t in (*m.parameters(), *m.buffers()))
+        keep = lambda ts: [t for t in ts if id(t) in mine or id(t) not in other]
+        ps, bs = keep(model.parameters()), keep(model.buffers())
+    return ModelSizes([(tuple(p.shape), p.requires_grad) for p in ps], sum(b.numel() * b.element_size() for b in bs))
+
 # %% ../nbs/03a_memory.ipynb #42668ba8
 def estimate_memory(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
                     strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp'), or 'pipeline'
@@ -268,6 +269,9 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
         raise ValueError(f"model={model!r} must be an nn.Module, a TransformerShape or a positive parameter count "
                          "such as 7.5e9")
     psi = sizes.params if sizes else int(model)
+    if example is not None and strategy != 'pipeline':
+        raise ValueError(f"example= is the microbatch a pipeline is cut on: pass it with strategy='pipeline', not "
+                         f"{strategy!r} (to trace the activations, give batch=)")
     if strategy == 'pipeline' and sizes: sizes = stage_sizes(model, world_size, rank, example)  # the stage's own
     trainable = sizes.trainable if sizes else psi
     p, g, o = _state_elements(sizes, psi, strategy, world_size, rank)
