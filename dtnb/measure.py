@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/measure.html.md"""
 
 # %% ../nbs/03b_measure.ipynb #b28b55b8
 from __future__ import annotations
-import copy
+import copy, functools
 from dataclasses import dataclass
 import torch
 import torch.distributed as dist
@@ -15,12 +15,14 @@ from .launcher import launch, current_device
 from .ddp import wrap, make_optimizer
 from .activations import SavedCounter, forward_batch, trace_activations
 from .memory import check_setup, estimate_memory
+from .pipeline import apply_pipeline, _batch
+from .split import _logits
 
 # %% auto #0
 __all__ = ['MEASURABLE', 'MemoryMeasurement', 'measure_memory']
 
 # %% ../nbs/03b_measure.ipynb #502f4796
-MEASURABLE = ('single', 'ddp', 'zero1', 'zero2', 'zero3')  # the strategies `wrap` runs on torch's implementations
+MEASURABLE = ('single', 'ddp', 'zero1', 'zero2', 'zero3', 'pipeline')  # run on torch's implementations
 
 def _storage_bytes(ts) -> int:
     "Bytes of the distinct storages behind the tensors `ts` (a DTensor counts its local shard)"
@@ -31,10 +33,12 @@ def _storage_bytes(ts) -> int:
         s = t.untyped_storage(); seen[s._cdata] = s.nbytes()
     return sum(seen.values())
 
+_OPTIMIZERS = dict(sgd=(torch.optim.SGD, {}), momentum=(torch.optim.SGD, dict(momentum=0.9)),
+                   adam=(torch.optim.Adam, {}), adamw=(torch.optim.AdamW, {}))
+
 def _make_optimizer(model, optimizer, lr):
     "The torch optimizer named `optimizer` for the wrapped `model` (ZeRO-1: sharded by `make_optimizer`)"
-    cls, kw = dict(sgd=(torch.optim.SGD, {}), momentum=(torch.optim.SGD, dict(momentum=0.9)),
-                   adam=(torch.optim.Adam, {}), adamw=(torch.optim.AdamW, {}))[optimizer]
+    cls, kw = _OPTIMIZERS[optimizer]
     return make_optimizer(model, cls, lr=lr, **kw)
 
 def _apply_strategy(model, strategy, units):
@@ -57,6 +61,7 @@ def _measure_step(model, batch, strategy, optimizer, precision, loss_fn, units, 
     if precision == 'bf16-true':
         model = model.to(torch.bfloat16)
         batch = tree_map_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, batch)
+    if strategy == 'pipeline': return _measure_pipeline(model, batch, optimizer, loss_fn, lr, dev, acc and m0)
     model = _apply_strategy(model, strategy, units)
     opt = _make_optimizer(model, optimizer, lr)
     batch = to_device(batch, dev)
@@ -77,6 +82,35 @@ def _measure_step(model, batch, strategy, optimizer, precision, loss_fn, units, 
         synchronize(dev); out['peak'] = acc.max_memory_allocated() - m0
         states = out['parameters'] + out['gradients'] + out['optimizer_states']
         out['temporary'] = max(0, out['peak'] - states - acts)
+    return out
+
+# %% ../nbs/03b_measure.ipynb #1258b607
+def _pipeline_example(batch, world_size):
+    "The microbatch of inputs `apply_pipeline` checks (and traces) the model on: 1/(2 × ranks) of the batch's inputs"
+    inputs, _ = _batch(batch, None) if isinstance(batch, dict) else _batch(*batch)
+    return inputs[:len(inputs) // (2 * world_size)]  # its default: twice as many microbatches as ranks
+
+def _stage_bytes(pipe, opt) -> dict:
+    "Bytes held by this rank's pipeline stages (`Pipeline`) and their optimizer `opt`: parameters (+ buffers), ..."
+    ms = pipe.modules
+    states = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return dict(parameters=_storage_bytes([t for m in ms for t in (*m.parameters(), *m.buffers())]),
+                gradients=_storage_bytes(p.grad for m in ms for p in m.parameters()),
+                optimizer_states=_storage_bytes(states))
+
+def _logits_loss(loss_fn, out, target): return loss_fn(_logits(out), target)  # the pipeline's loss, on logits
+
+def _measure_pipeline(model, batch, optimizer, loss_fn, lr, dev, m0):
+    "One 1F1B step of `model` cut by `apply_pipeline` over the ranks, one stage each; the bytes of this rank's stage"
+    pipe = apply_pipeline(model, loss_fn, example=_pipeline_example(batch, dist.get_world_size()))
+    cls, kw = _OPTIMIZERS[optimizer]
+    opt = cls(pipe.parameters(), lr=lr, **kw)
+    batch = to_device(batch, dev)
+    pipe.step(batch) if isinstance(batch, dict) else pipe.step(*batch)
+    opt.step()
+    out = dict(rank=dist.get_rank(), device=str(dev), **_stage_bytes(pipe, opt), activations=None, saved=None,
+               peak=None, temporary=None)
+    if m0 is not None: synchronize(dev); out['peak'] = torch.accelerator.max_memory_allocated() - m0
     return out
 
 # %% ../nbs/03b_measure.ipynb #c82581ae
@@ -114,7 +148,7 @@ class MemoryMeasurement:
 # %% ../nbs/03b_measure.ipynb #99db500d
 def measure_memory(model, # the `nn.Module` to train one step (a copy is trained: `model` is left as it is)
                    batch, # example batch per device: tensor, tuple (last item the target with `loss_fn`) or dict
-                   strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2' or 'zero3' ('fsdp')
+                   strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp') or 'pipeline'
                    world_size:int=1, # ranks to launch (1: in this process)
                    optimizer:str='adamw',
                    precision:str='fp32', # 'fp32', 'bf16-mixed', 'fp16-mixed' (autocast) or 'bf16-true'
@@ -126,6 +160,10 @@ def measure_memory(model, # the `nn.Module` to train one step (a copy is trained
     s, optimizer, precision = check_setup(strategy, world_size, optimizer, precision)
     if s not in MEASURABLE:
         raise ValueError(f"measure_memory runs wrap's strategies, {', '.join(map(repr, MEASURABLE))}, not {s!r}")
+    if s == 'pipeline' and (world_size < 2 or precision not in ('fp32', 'bf16-true') or loss_fn is None):
+        raise ValueError(f"strategy='pipeline' runs apply_pipeline: world_size >= 2 ranks (got {world_size}), "
+                         f"precision 'fp32' or 'bf16-true' (got {precision!r}), and loss_fn(output, targets), which "
+                         "the last stage computes, with an (inputs, targets) or {'input_ids', 'labels'} batch")
     if precision == 'zero-mixed':
         raise ValueError("precision='zero-mixed' is ZeRO's accounting (fp32 master weights inside the optimizer), "
                          "which torch does not train; measure 'bf16-mixed' (autocast, the same 16 bytes per parameter "
@@ -133,7 +171,9 @@ def measure_memory(model, # the `nn.Module` to train one step (a copy is trained
     args = (batch, s, optimizer, precision, loss_fn, units, lr)
     if world_size == 1: measured = [_measure_step(copy.deepcopy(model), *args)]
     else: measured = launch(_measure_step, model, *args, nprocs=world_size, timeout=timeout)
+    if s == 'pipeline': loss_fn = functools.partial(_logits_loss, loss_fn)  # as the last stage computes it
     trace = trace_activations(model, batch, loss_fn, precision, units)
-    ests = [estimate_memory(model, s, world_size, optimizer, precision, activations=trace, units=units, rank=r)
-            for r in range(world_size)]
+    ex = _pipeline_example(batch, world_size) if s == 'pipeline' else None
+    ests = [estimate_memory(model, s, world_size, optimizer, precision, activations=trace, units=units, rank=r,
+                            example=ex) for r in range(world_size)]
     return MemoryMeasurement(ests, measured)

@@ -11,16 +11,19 @@ from dataclasses import dataclass, asdict, replace
 from .utils import PRECISIONS, check_precision, shard_numel, fmt_bytes, md_table, text_table
 from .models import find_blocks
 from .activations import ActivationTrace, trace_activations
+from .split import split_model, chain_problem, trace_stages, pipeline_units
 
 # %% auto #0
 __all__ = ['OPTIMIZERS', 'ALIASES', 'SHARDS', 'optimizer_bytes', 'TransformerShape', 'ModelSizes', 'model_sizes',
-           'MemoryEstimate', 'check_setup', 'estimate_memory', 'MemoryPlan', 'recommend', 'memory_explorer']
+           'MemoryEstimate', 'check_setup', 'stage_sizes', 'estimate_memory', 'MemoryPlan', 'recommend',
+           'memory_explorer']
 
 # %% ../nbs/03a_memory.ipynb #33173573
 OPTIMIZERS = {'sgd': 0, 'momentum': 1, 'adam': 2, 'adamw': 2}  # optimizer state tensors per parameter
 ALIASES = {'fsdp': 'zero3'}
 SHARDS = {'single': (), 'ddp': (), 'zero1': ('optimizer',), 'zero2': ('optimizer', 'gradients', 'parameters'),
-          'zero3': ('optimizer', 'gradients', 'parameters')}  # the strategies (as `wrap` runs them), what each splits
+          'zero3': ('optimizer', 'gradients', 'parameters'),
+          'pipeline': ('optimizer', 'gradients', 'parameters')}  # the strategies (as dtnb runs them), what each splits
 
 # %% ../nbs/03a_memory.ipynb #fc73602f
 def _check_optimizer(optimizer):
@@ -114,7 +117,7 @@ def _state_tensors(sizes, strategy, ws, rank):
 @dataclass
 class MemoryEstimate:
     "Bytes per device, by component, for one way of training a model"
-    strategy: str                # 'single', 'ddp', 'zero1', 'zero2', 'zero3' (or 'pipeline' in a plan)
+    strategy: str                # 'single', 'ddp', 'zero1', 'zero2', 'zero3' or 'pipeline'
     world_size: int
     optimizer: str
     precision: str
@@ -153,7 +156,7 @@ class MemoryEstimate:
         "(component, bytes, note) rows of the table"
         ws, pipe = self.world_size, self.strategy == 'pipeline'
         split = SHARDS.get(self.strategy, ())
-        sh = lambda c: f"1/{ws} of the layers" if pipe else f"1/{ws}" if c in split and ws > 1 else 'whole'
+        sh = lambda c: f"stage {self.rank} of {ws}" if pipe else f"1/{ws}" if c in split and ws > 1 else 'whole'
         off = lambda c: ', on host' if self.offload and c in split else ''
         act = 'not estimated: give batch= or shape=' if self.activations is None else self.activation_source
         units = self.strategy == 'zero3' and self.unit is None
@@ -184,7 +187,8 @@ def check_setup(strategy, world_size:int, optimizer:str, precision:str, offload:
     "Checked, normalised (strategy, optimizer, precision), or a ValueError that says how to fix it"
     s = ALIASES.get(str(strategy).lower(), str(strategy).lower())
     if s not in SHARDS:
-        raise ValueError(f"strategy={strategy!r} is not one of {', '.join(map(repr, SHARDS))} ('fsdp' means 'zero3')")
+        data = ', '.join(repr(k) for k in SHARDS if k != 'pipeline')
+        raise ValueError(f"strategy={strategy!r} is not one of {data} ('fsdp' means 'zero3') or 'pipeline'")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a whole number of devices >= 1")
     if s == 'single' and world_size != 1:
@@ -217,13 +221,34 @@ def _temporary(strategy, optimizer, precision, params, trainable, unit, opt_elem
     "Approximate bytes of (communication, optimizer) buffers that live only during the step (see the list above)"
     _, gb, _, sb, cb, _ = PRECISIONS[precision]
     comm = dict(single=0, ddp=trainable * gb, zero1=0, zero2=(params + (unit or 0)) * cb,
-                zero3=3 * (unit or 0) * cb)[strategy]
+                zero3=3 * (unit or 0) * cb, pipeline=0)[strategy]  # a pipeline sends activations, not model states
     return comm, (opt_elems * sb if OPTIMIZERS[optimizer] == 2 else 0)
+
+# %% ../nbs/03a_memory.ipynb #1e419d9a
+def stage_sizes(model, # the `nn.Module` to cut into `n_stages` stages
+                n_stages:int, # pipeline stages, one per rank
+                stage:int, # the stage (rank) whose tensors to count
+                example=None, # one microbatch of the inputs, as given to `apply_pipeline`: checks the cut, traces
+               ) -> ModelSizes:
+    "Parameter shapes and buffer bytes of stage `stage` of `model` cut as `apply_pipeline` cuts it"
+    split = split_model(model, n_stages, example=example)
+    if example is not None and chain_problem(model, split, example):  # not a chain: apply_pipeline traces it
+        m = trace_stages(model, split, example).trace.pipe.get_stage_module(stage)
+        ps, bs = list(m.parameters()), list(m.buffers())
+    else:
+        mine, other = set(), set()
+        for s in range(n_stages):
+            for u in split.stage_units(s):
+                m = model.get_submodule(u)
+                (mine if s == stage else other).update(id(t) for t in (*m.parameters(), *m.buffers()))
+        keep = lambda ts: [t for t in ts if id(t) in mine or id(t) not in other]
+        ps, bs = keep(model.parameters()), keep(model.buffers())
+    return ModelSizes([(tuple(p.shape), p.requires_grad) for p in ps], sum(b.numel() * b.element_size() for b in bs))
 
 # %% ../nbs/03a_memory.ipynb #42668ba8
 def estimate_memory(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
-                    strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp' means 'zero3')
-                    world_size:int=1, # devices (ranks) the model is trained on
+                    strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp'), or 'pipeline'
+                    world_size:int=1, # devices (ranks) the model is trained on; a pipeline's stages
                     optimizer:str='adamw', # 'sgd', 'momentum', 'adam' or 'adamw'
                     precision:str='fp32', # 'fp32', 'bf16-mixed' (autocast), 'zero-mixed' (ZeRO's), 'bf16-true'...
                     batch=None, # example batch per device, to trace the activations (needs a model)
@@ -233,7 +258,8 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
                     offload:bool=False, # move the sharded model states to CPU memory
                     activations=None, # bytes, or an `ActivationTrace`, instead of tracing
                     units=None, # module classes (or names) that are the model's units (default: `find_blocks`)
-                    rank:int=0, # the rank whose shard to count (rank 0 holds the most)
+                    rank:int=0, # the rank whose shard (a pipeline: whose stage) to count (ZeRO: rank 0 holds the most)
+                    example=None, # a pipeline's microbatch of inputs, as given to `apply_pipeline` (see `stage_sizes`)
                    ) -> MemoryEstimate:
     "Bytes per device for parameters, gradients, optimizer state, activations and temporary buffers"
     strategy, optimizer, precision = check_setup(strategy, world_size, optimizer, precision, offload, rank)
@@ -243,6 +269,10 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
         raise ValueError(f"model={model!r} must be an nn.Module, a TransformerShape or a positive parameter count "
                          "such as 7.5e9")
     psi = sizes.params if sizes else int(model)
+    if example is not None and strategy != 'pipeline':
+        raise ValueError(f"example= is the microbatch a pipeline is cut on: pass it with strategy='pipeline', not "
+                         f"{strategy!r} (to trace the activations, give batch=)")
+    if strategy == 'pipeline' and sizes: sizes = stage_sizes(model, world_size, rank, example)  # the stage's own
     trainable = sizes.trainable if sizes else psi
     p, g, o = _state_elements(sizes, psi, strategy, world_size, rank)
     pb, gb = PRECISIONS[precision][:2]
@@ -267,12 +297,10 @@ def _ladder(ws, checkpoint=True):
     if ws == 1: return [('single', c, False) for c in cks] + offload
     return [(s, c, False) for c in cks for s in ('ddp', 'zero1', 'zero2', 'zero3')] + offload
 
-def _pipeline(single:MemoryEstimate, stages:int) -> MemoryEstimate:
-    "A 1F1B pipeline over `stages` devices: a stage keeps 1/stages of the model states, one micro-batch's activations"
-    cut = lambda b: -(-b // stages)
-    return replace(single, strategy='pipeline', world_size=stages, parameters=cut(single.parameters),
-                   gradients=cut(single.gradients), optimizer_states=cut(single.optimizer_states),
-                   temporary=cut(single.temporary))
+def _pipeline(model, stages:int, **kw) -> MemoryEstimate:
+    "A 1F1B pipeline over `stages` devices: its largest stage (one micro-batch's activations of the whole model)"
+    ranks = range(stages) if hasattr(model, 'parameters') else [0]  # a count or a shape: 1/stages on each
+    return max((estimate_memory(model, 'pipeline', stages, rank=r, **kw) for r in ranks), key=lambda e: e.total)
 
 def _device_memory(report, world_size):
     "(bytes per rank, device name) from a DeviceReport: the first accelerator, else the RAM shared by the ranks"
@@ -401,9 +429,10 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
     if isinstance(model, TransformerShape): shape = shape or model
     layers = shape.layers if shape else (len(find_blocks(model, units)) if hasattr(model, 'parameters') else 0)
     stages = min(ws, layers or ws)  # no more stages than layers
+    if hasattr(model, 'parameters'): stages = min(stages, len(pipeline_units(model)))  # nor than places to cut
     if stages > 1:
-        opts.append(_pipeline(single, stages))
-        if acts: opts.append(_pipeline(estimate_memory(model, 'single', 1, checkpoint=True, **kw), stages))
+        opts.append(_pipeline(model, stages, **kw))
+        if acts: opts.append(_pipeline(model, stages, checkpoint=True, **kw))
     budget = int(memory * (1 - margin))
     chosen = next((i for i, e in enumerate(opts) if e.total <= budget), None)
     ests = ([single] if ws > 1 else []) + opts

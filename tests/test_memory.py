@@ -172,7 +172,7 @@ def test_explorer_follows_its_controls():
 # ---- errors ----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('call,msg', [
-    (lambda: estimate_memory(1e9, 'zero4', 8), "strategy='zero4' is not one of 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp' means 'zero3')"),
+    (lambda: estimate_memory(1e9, 'zero4', 8), "strategy='zero4' is not one of 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp' means 'zero3') or 'pipeline'"),
     (lambda: estimate_memory(1e9, 'single', 8), "world_size must be 1, not 8"),
     (lambda: estimate_memory(1e9, 'ddp', 4, offload=True), "offload=True needs a sharded strategy"),
     (lambda: estimate_memory(1e9, batch=torch.zeros(2)), "batch= needs a model to trace"),
@@ -180,7 +180,9 @@ def test_explorer_follows_its_controls():
     (lambda: estimate_memory(1e9, 'ddp', -1), "world_size=-1 must be a whole number of devices >= 1"),
     (lambda: estimate_memory(1e9, optimizer='lion'), "optimizer='lion' is not one of"),
     (lambda: estimate_memory(1e9, precision='fp8'), "precision='fp8' is not one of"),
-    (lambda: measure_memory(ToyModel(), torch.randn(2, 16), 'pipeline', 2), "strategy='pipeline' is not one of"),
+    (lambda: measure_memory(ToyModel(), torch.randn(2, 16), 'pipeline', 2), "and loss_fn(output, targets), which the"),
+    (lambda: measure_memory(ToyModel(), torch.randn(2, 16), 'tp', 2), "strategy='tp' is not one of"),
+    (lambda: estimate_memory(1e9, 'pipeline', 2, offload=True), "plan it with 'zero3', not 'pipeline'"),
     (lambda: measure_memory(ToyModel(), torch.randn(2, 16), precision='zero-mixed'),
      "precision='zero-mixed' is ZeRO's accounting"),
     (lambda: estimate_memory(1e9, precision='amp'), "did you mean 'bf16-mixed'"),

@@ -1,5 +1,6 @@
 """Pipeline parallel for models whose forward is not a chain: Hugging Face GPT-2 (untied and tied) and Llama, tiny and
-randomly initialised, traced by torch's pipelining front end on 2 gloo ranks, equal to one process"""
+randomly initialised, traced by torch's pipelining front end on 2 gloo ranks, equal to one process; each rank's
+model states as `estimate_memory(model, 'pipeline', 2, rank=r, example=...)` counts them, byte for byte"""
 import pytest
 import torch
 transformers = pytest.importorskip('transformers')  # the `dev` extra; imported once here, inherited by forked ranks
@@ -8,6 +9,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from dtnb.launcher import launch
 from dtnb.pipeline import apply_pipeline, causal_lm_loss, Pipeline
 from dtnb.parallel import Degrees, parallelize
+from dtnb.memory import estimate_memory
+from dtnb.measure import _stage_bytes
 
 BATCH, SEQ, STEPS, LR = 8, 16, 3, 1e-3
 torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),))  # warms torch.export once: forked ranks inherit it
@@ -59,7 +62,7 @@ def train(pipe, ids, dict_batch):
         opt.zero_grad()
         loss = pipe.step(dict(input_ids=x, labels=x)) if dict_batch else pipe.step(x, x)
         opt.step(); losses.append(loss.item())
-    return losses, params(pipe.named_parameters()), pipe.split.to_dict(), str(pipe.split)
+    return losses, params(pipe.named_parameters()), pipe.split.to_dict(), str(pipe.split), _stage_bytes(pipe, opt)
 
 def ranked(name, check_errors=False):
     "GPipe, then 1F1B on the same traced stages reset to the start: losses, parameters after 3 AdamW steps, the split"
@@ -70,6 +73,8 @@ def ranked(name, check_errors=False):
     pipe.load_state_dict(start)
     pipe = Pipeline(pipe.modules, pipe.stage_indices, pipe.n_stages, causal_lm_loss, '1f1b', split=pipe.split)
     out['1f1b'] = train(pipe, ids, dict_batch=True)  # a dict batch: input_ids and labels
+    e = estimate_memory(MODELS[name](), 'pipeline', 2, rank=pipe.pp_rank, example=ids[:BATCH // 4])  # a CPU trace
+    out['estimate'] = {c: getattr(e, c) for c in ('parameters', 'gradients', 'optimizer_states')}
     tl = pipe.profile_step(ids[:BATCH], ids[:BATCH])  # timelines of traced stages: what ran is the plan
     out['timeline'] = [(e['stage'], e['kind'], e['mb']) for e in sorted(tl.events, key=lambda e: e['start'])
                        if e['rank'] == pipe.pp_rank], pipe.order()[pipe.pp_rank]
@@ -77,7 +82,8 @@ def ranked(name, check_errors=False):
 
 @pytest.mark.parametrize('name', list(MODELS))
 def test_hf_pipeline_equals_one_process(name):
-    "Losses on every rank and all parameters (a tied one: each stage's copy) after 3 AdamW steps match, to 1e-4"
+    """Losses on every rank and all parameters (a tied one: each stage's copy) after 3 AdamW steps match, to 1e-4; each
+    rank's model states are estimate_memory's for its stage"""
     losses, want = one_process(name)
     res = launch(ranked, name, check_errors=name == 'gpt2-tied', nprocs=2)
     for schedule in ('gpipe', '1f1b'):
@@ -85,13 +91,19 @@ def test_hf_pipeline_equals_one_process(name):
         for r in res:
             assert max(abs(a - b) for a, b in zip(r[0][schedule][0], losses)) < 1e-4, (schedule, r[0][schedule], losses)
             got.update(r[0][schedule][1])
-        split, text = res[0][0][schedule][2:]
+        split, text = res[0][0][schedule][2:4]
         assert split['traced'] and len(split['stages']) == 2
         assert sorted(got) == sorted([*want, *(['lm_head.weight'] if name == 'gpt2-tied' else [])])
         for k, v in got.items():
             d = (v - want[TIED.get(k, k) if name == 'gpt2-tied' else k]).abs().max().item()
             assert d < 1e-4, f"{schedule} {k}: max difference {d:.3g}"
     for r in res: assert r[0]['timeline'][0] == r[0]['timeline'][1] and len(r[0]['timeline'][0]) == 8
+    # memory: each rank's parameters, gradients and AdamW states (a tied copy included) are the bytes estimated for
+    # its stage, byte for byte
+    for schedule in ('gpipe', '1f1b'):
+        for r in res:
+            assert r[0][schedule][4] == r[0]['estimate'], (schedule, r[0][schedule][4], r[0]['estimate'])
+    assert res[0][0]['estimate'] != res[1][0]['estimate'] and min(res[0][0]['estimate'].values()) > 0
     if name == 'gpt2-tied':
         assert 'tied, copied per stage: transformer.wte.weight (stage 0) = lm_head.weight (stage 1)' in text
         errs = res[0][1]
