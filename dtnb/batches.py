@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from .launcher import world_size, current_device
 from .utils import to_device, tree_map_tensors, tensors, autocast
+from .split import _logits  # a Hugging Face output's .logits
 
 # %% auto #0
 __all__ = ['evaluate']
@@ -58,10 +59,6 @@ def _split(model, batch, keys):
                          f"names: {_FIX}")
     if isinstance(batch, (tuple, list)) and len(batch) == 2: return ((batch[0],), {}), batch[1]
     raise ValueError(f"fit expects (inputs, targets) or dict batches, got a {_describe(batch)}: {_FIX}")
-
-def _logits(out):
-    "The predictions in a model's output: `.logits` of a Hugging Face style output, else the output itself"
-    return out.get('logits', out) if isinstance(out, Mapping) else getattr(out, 'logits', out)
 
 def _loss(out, y, loss_fn, batch):
     "loss_fn(predictions, targets); without loss_fn the model's own `.loss`, else mse_loss where it fits"
@@ -140,11 +137,12 @@ def evaluate(model, loader, loss_fn=None, metrics=None, *, step_fn=None, keys=No
         for b in loader:
             k = _batch_size(b)
             if left is not None:  # drop the padding a DistributedSampler added to even out the ranks
-                if left <= 0: break
-                if k > left: b, k = tree_map_tensors(lambda t: t[:left], b), left
-                left -= k
+                real = max(0, min(k, left)); left -= real
+                if 0 < real < k: b, k = tree_map_tensors(lambda t: t[:real], b), real
             b = _cast_inputs(to_device(b, device, non_blocking=True), precision, keys)
+            # every rank runs every batch, padding only or not: an FSDP forward is a collective
             with autocast(device, precision): loss, pred, y = _forward(model, b, loss_fn, step_fn, keys)
+            if left is not None and real == 0: continue
             total += loss.detach().double() * k; n += k
             if metrics and (pred is None or y is None):
                 raise ValueError("metrics score predictions against targets, and this step_fn returns only a loss: "
@@ -155,6 +153,8 @@ def evaluate(model, loader, loss_fn=None, metrics=None, *, step_fn=None, keys=No
     sums = torch.tensor(_gather((total.item(), n)), dtype=torch.float64).sum(0)
     out = dict(val_loss=(sums[0] / sums[1]).item() if sums[1] else float('nan'))
     parts = [p for p in _gather((torch.cat(preds), torch.cat(ys)) if preds else None) if p is not None]
+    if len(stateful) < len(metrics) and not parts:
+        raise ValueError("evaluate: the val_loader gave no samples on any rank, so there is nothing to score")
     for name, m in metrics.items():
         v = m.compute() if name in stateful else m(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
         out[name] = v.item() if isinstance(v, torch.Tensor) else float(v)

@@ -132,7 +132,7 @@ def _try_path(model, sample, optimizer, precision, loss_fn, budget, max_batch, g
     dev = current_device()
     m = copy.deepcopy(model).to(dev)
     if precision == 'bf16-true': m = m.to(torch.bfloat16)
-    opt, checks, peak = _make_optimizer(m.parameters(), optimizer, 1e-6), [], {}
+    opt, checks, peak = _make_optimizer(m, optimizer, 1e-6), [], {}
     def fits(n):
         peak[n] = _step_bytes(m, opt, sample, n, dev, precision, loss_fn)
         ok = peak[n] is not None and (budget is None or peak[n] <= budget)

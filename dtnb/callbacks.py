@@ -89,13 +89,15 @@ class EarlyStopping(Callback):
     def __init__(self, monitor:str='val_loss', mode:str='min', patience:int=3, min_delta:float=0.0):
         _check_mode(mode)
         self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, min_delta
+    def _see(self, v):
+        if _better(v, self.best, self.mode, self.min_delta): self.best, self.bad = v, 0
+        else: self.bad += 1
     def on_fit_start(self, state):
         _monitored(state, self.monitor, 'EarlyStopping')
         self.best, self.bad = None, 0
+        for past in state.result.validations: self._see(past[self.monitor])  # a resumed run counts on
     def on_validation_end(self, state):
-        v = _monitored(state, self.monitor, 'EarlyStopping')
-        if _better(v, self.best, self.mode, self.min_delta): self.best, self.bad = v, 0; return
-        self.bad += 1
+        self._see(_monitored(state, self.monitor, 'EarlyStopping'))
         if self.bad >= self.patience:
             state.stop = (f"EarlyStopping: {self.monitor} has not improved on {self.best:.4g} for {self.patience} "
                           f"validations (step {state.step})")
@@ -108,6 +110,8 @@ class KeepBest(Callback):
     def on_fit_start(self, state):
         _monitored(state, self.monitor, 'KeepBest')
         self.best, self.path = None, None
+        for past in state.result.validations:  # a resumed run: the checkpoint kept before the stop stays until beaten
+            if _better(past[self.monitor], self.best, self.mode, 0.0): self.best = past[self.monitor]
     def on_validation_end(self, state):
         v = _monitored(state, self.monitor, 'KeepBest')
         if not _better(v, self.best, self.mode, 0.0): return

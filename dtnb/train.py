@@ -174,9 +174,11 @@ def _pipeline_args(group, keys=None) -> tuple:
 # %% ../nbs/04d_train.ipynb #c012
 _HISTORY = ('losses', 'lrs', 'grad_norms')
 
+_SCHEDULED = {'lr', 'initial_lr', 'betas', 'momentum', 'max_lr', 'min_lr', 'max_momentum', 'base_momentum'}
+
 def _hyper(optimizer, scheduler) -> list:
-    "Each parameter group's hyperparameters (lr, weight_decay, betas...); not lr where a scheduler sets it"
-    skip = {'params'} | ({'lr'} if scheduler is not None else set())
+    "Each parameter group's hyperparameters (lr, weight_decay...); not those a scheduler may set (lr, betas...)"
+    skip = {'params'} | (_SCHEDULED if scheduler is not None else set())
     return [{k: v for k, v in g.items() if k not in skip and isinstance(v, (int, float, str, tuple))}
             for g in optimizer.param_groups]
 
@@ -295,13 +297,13 @@ class FitState:
     epoch: int = 0           # epochs ended
     metrics: dict = field(default_factory=dict)  # the last validation: step, epoch, val_loss, metrics
     metric_names: list = field(default_factory=list)  # the names a validation reports (empty: no validation)
-    stop: str = ''           # a reason to stop: fit ends after this step (or validation), on every rank
+    stop: str = ''           # a reason to stop: fit ends at the next log_every step (or validation), on every rank
 
     @property
     def is_main(self) -> bool: return is_main()
 
 def _call(callbacks, hook, state):
-    for cb in callbacks:
+    for cb in callbacks or ():
         if (f := getattr(cb, hook, None)) is not None: f(state)
 
 def _agree_stop(state) -> bool:
@@ -337,7 +339,7 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
         val_every:int=1,           # validate every `val_every` ...
         val_interval:str='epoch',  #   ... 'epoch's or 'step's
         callbacks=(),              # objects with on_fit_start/on_step_end/on_validation_end/on_fit_end(state)
-        log_every:int=10,          # with callbacks: bring the history up to date every `log_every` steps
+        log_every:int=10,          # history up to date and callbacks' stop requests agreed every `log_every` steps
         compile:bool|dict=False,   # torch.compile each block, after wrapping; a dict: torch.compile's options
         ) -> FitResult:
     "Train `model` on `loader`; returns per-step losses (mean over ranks), lr, grad norm, validations and throughput"
@@ -419,10 +421,10 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
         samples += sum(_batch_size(b) for b in group) * dp
         step = state.step = step + 1
         bar.update(step, step_loss)
-        if callbacks:
-            if (log := (step - start) % log_every == 0): flush()
-            _call(callbacks, 'on_step_end', state)
-            if log and _agree_stop(state): break
+        log = (step - start) % log_every == 0  # on every rank, callbacks or not: both are collectives
+        if log: flush()
+        _call(callbacks, 'on_step_end', state)
+        if log and _agree_stop(state): break
         if val_loader is not None and val_interval == 'step' and step % val_every == 0 and validate(): break
         if checkpoint_dir is not None and every and step % every == 0: pending, saved = save(), step
     if checkpoint_dir is not None and step > saved: pending = save()
