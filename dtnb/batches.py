@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 from .launcher import world_size, current_device
-from .utils import to_device, tree_map_tensors, tensors, autocast
+from .utils import to_device, tree_map_tensors, tensors, autocast, all_gather_objects
 from .split import _logits  # a Hugging Face output's .logits
 
 # %% auto #0
@@ -116,13 +116,7 @@ def _as_metrics(metrics) -> dict:
     ms = metrics if isinstance(metrics, (list, tuple)) else [metrics]
     return {getattr(m, '__name__', type(m).__name__): m for m in ms}
 
-def _gather(x):
-    "`x` from every rank, in rank order (all_gather_object); [x] in one process"
-    import torch.distributed as dist
-    if not (dist.is_initialized() and dist.get_world_size() > 1): return [x]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, x)
-    return out
+
 
 # %% ../nbs/03d_batches.ipynb #dcdafd08
 @torch.no_grad()
@@ -150,9 +144,9 @@ def evaluate(model, loader, loss_fn=None, metrics=None, *, step_fn=None, keys=No
             for name in stateful: metrics[name].update(pred, y)
             if len(stateful) < len(metrics): preds.append(pred.detach().cpu()); ys.append(y.detach().cpu())
     finally: model.train(was)
-    sums = torch.tensor(_gather((total.item(), n)), dtype=torch.float64).sum(0)
+    sums = torch.tensor(all_gather_objects((total.item(), n)), dtype=torch.float64).sum(0)
     out = dict(val_loss=(sums[0] / sums[1]).item() if sums[1] else float('nan'))
-    parts = [p for p in _gather((torch.cat(preds), torch.cat(ys)) if preds else None) if p is not None]
+    parts = [p for p in all_gather_objects((torch.cat(preds), torch.cat(ys)) if preds else None) if p is not None]
     if len(stateful) < len(metrics) and not parts:
         raise ValueError("evaluate: the val_loader gave no samples on any rank, so there is nothing to score")
     for name, m in metrics.items():

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 from torch import nn
-from .utils import md_table, text_table, broadcast_from_rank0
+from .utils import md_table, text_table, broadcast_from_rank0, all_gather_objects
 from .resume import rng_state
 
 # %% auto #0
-__all__ = ['FORMAT', 'VERSION', 'MARKER', 'CheckpointError', 'checkpoint_path', 'dist_or_none', 'rank_world',
-           'all_gather_objects', 'quiet', 'agree', 'state_dicts', 'AsyncSave', 'save_checkpoint', 'read_marker',
-           'CheckpointList', 'list_checkpoints', 'latest_checkpoint', 'prune_checkpoints']
+__all__ = ['FORMAT', 'VERSION', 'MARKER', 'CheckpointError', 'checkpoint_path', 'dist_or_none', 'rank_world', 'quiet', 'agree',
+           'state_dicts', 'AsyncSave', 'save_checkpoint', 'read_marker', 'CheckpointList', 'list_checkpoints',
+           'latest_checkpoint', 'prune_checkpoints']
 
 # %% ../nbs/04a_checkpoint.ipynb #c006
 FORMAT, VERSION, MARKER = 'dtnb-checkpoint', 1, '.complete'
@@ -41,14 +41,6 @@ def rank_world() -> tuple[int, int]:
     "(rank, world size) of the process group, (0, 1) without one"
     d = dist_or_none()
     return (d.get_rank(), d.get_world_size()) if d else (0, 1)
-
-def all_gather_objects(obj) -> list:
-    "`obj` from every rank, in rank order"
-    d = dist_or_none()
-    if d is None or d.get_world_size() == 1: return [obj]
-    out = [None] * d.get_world_size()
-    d.all_gather_object(out, obj)
-    return out
 
 @contextlib.contextmanager
 def quiet():

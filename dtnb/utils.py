@@ -13,8 +13,8 @@ from torch.utils import _pytree as pytree
 # %% auto #0
 __all__ = ['DTYPES', 'PRECISIONS', 'md_table', 'text_table', 'fmt_bytes', 'parse_size', 'percentile', 'in_notebook',
            'progress_bar', 'tree_map_tensors', 'tensors', 'to_device', 'accelerators', 'accelerator_type',
-           'default_device', 'synchronize', 'require_group', 'broadcast_from_rank0', 'dtype_name', 'as_dtype',
-           'check_precision', 'autocast', 'shard_numel']
+           'default_device', 'synchronize', 'require_group', 'broadcast_from_rank0', 'all_gather_objects', 'dtype_name',
+           'as_dtype', 'check_precision', 'autocast', 'shard_numel']
 
 # %% ../nbs/00_utils.ipynb #2c24aabb
 def md_table(header, rows) -> str:
@@ -126,6 +126,14 @@ def broadcast_from_rank0(obj, group=None):
     box = [obj]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]
+
+def all_gather_objects(obj) -> list:
+    "`obj` from every rank, in rank order (`all_gather_object`); `[obj]` in one process"
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1: return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 # %% ../nbs/00_utils.ipynb #e908833f
 DTYPES = dict(fp64=torch.float64, fp32=torch.float32, tf32=torch.float32, bf16=torch.bfloat16,
