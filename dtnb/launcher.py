@@ -13,7 +13,7 @@ from multiprocessing.connection import wait as _wait
 from .device import usable_cores
 from .launchenv import parse_launch_env, LaunchEnvError
 from .failures import LaunchError, _report
-from .utils import accelerators
+from .utils import accelerators, placement
 
 # %% auto #0
 __all__ = ['BACKENDS', 'default_backend', 'check_backend', 'current_device', 'RendezvousError', 'init_distributed', 'rank',
@@ -51,8 +51,8 @@ def _oversubscribed(nprocs, n, acc) -> str:
 def current_device():
     "This rank's device: the CPU under `DTNB_DEVICE=cpu`, else the accelerator at index `LOCAL_RANK`, else the CPU"
     import torch
-    acc, n = accelerators()
-    if os.environ.get('DTNB_DEVICE') == 'cpu' or acc is None: return torch.device('cpu')
+    acc, n = accelerators()  # (None, 0) under DTNB_DEVICE=cpu
+    if acc is None: return torch.device('cpu')
     if acc == 'mps': return torch.device('mps')
     le = parse_launch_env()
     ranks = le.local_rank + 1 if le.launcher == 'env' else le.local_world_size  # plain env:// has no local size
@@ -287,12 +287,15 @@ def _check_args(fn, nprocs):
 
 def _placement(nprocs, backend, device):
     "Backend and device of `nprocs` local ranks: one accelerator each, or CPU ranks on gloo when asked"
-    acc, n = accelerators()
+    if backend is not None and backend not in BACKENDS: check_backend(backend)  # an unknown name, said first
+    if device is None and os.environ.get('DTNB_DEVICE') == 'cpu': device = 'cpu'  # pinned: `placement('cpu')`
+    with placement(None): acc, n = accelerators()  # what the node has, for the messages
     if device not in (None, 'cpu'):
         raise ValueError(f"device={device!r}: pass device='cpu' for CPU ranks, "
                          f"or None for one {acc or 'device'} per rank")
     if device == 'cpu' or (backend == 'gloo' and acc not in (None, 'mps') and nprocs > n):
-        if backend not in (None, 'gloo'): raise ValueError(f"device='cpu' needs backend='gloo', not {backend!r}")
+        if backend not in (None, 'gloo'):
+            raise ValueError(f"CPU ranks (device='cpu', DTNB_DEVICE=cpu) need backend='gloo', not {backend!r}")
         return 'gloo', 'cpu'
     if acc not in (None, 'mps') and nprocs > n: raise ValueError(_oversubscribed(nprocs, n, acc))
     return backend, None

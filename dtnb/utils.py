@@ -13,8 +13,8 @@ from torch.utils import _pytree as pytree
 # %% auto #0
 __all__ = ['DTYPES', 'PRECISIONS', 'md_table', 'text_table', 'fmt_bytes', 'parse_size', 'percentile', 'in_notebook',
            'progress_bar', 'tree_map_tensors', 'tensors', 'to_device', 'accelerators', 'accelerator_type',
-           'default_device', 'synchronize', 'require_group', 'broadcast_from_rank0', 'all_gather_objects', 'dtype_name',
-           'as_dtype', 'check_precision', 'autocast', 'shard_numel']
+           'default_device', 'synchronize', 'placement', 'require_group', 'broadcast_from_rank0', 'all_gather_objects',
+           'dtype_name', 'as_dtype', 'check_precision', 'autocast', 'shard_numel']
 
 # %% ../nbs/00_utils.ipynb #2c24aabb
 def md_table(header, rows) -> str:
@@ -91,7 +91,8 @@ def to_device(batch, device, non_blocking:bool=False):
 
 # %% ../nbs/00_utils.ipynb #2d77fc1d
 def accelerators() -> tuple:
-    "This node's accelerator type and device count, `(None, 0)` for none; asked without initialising CUDA"
+    "Accelerator type and device count dtnb may use: `(None, 0)` for none or under `DTNB_DEVICE=cpu`; CUDA stays uninitialised"
+    if os.environ.get('DTNB_DEVICE') == 'cpu': return (None, 0)
     acc = torch.accelerator.current_accelerator()  # what torch was built for: no runtime call
     n = torch.accelerator.device_count() if acc is not None else 0  # CUDA: counted through NVML
     return (acc.type, n) if n else (None, 0)
@@ -109,6 +110,19 @@ def synchronize(device=None) -> None:
     "Wait for all queued work on `device` (default: this process's); nothing to wait for on the CPU"
     device = default_device() if device is None else torch.device(device)
     if device.type != 'cpu': torch.accelerator.synchronize(device)
+
+@contextlib.contextmanager
+def placement(device:str|None):
+    "Within the block dtnb places work on the CPU (`'cpu'`: `DTNB_DEVICE=cpu`) or on the accelerators (None)"
+    if device not in ('cpu', None): raise ValueError(f"placement({device!r}): pass 'cpu' for CPU ranks and tensors, "
+                                                     "or None for the accelerators")
+    before = os.environ.get('DTNB_DEVICE')
+    if device: os.environ['DTNB_DEVICE'] = device
+    else: os.environ.pop('DTNB_DEVICE', None)
+    try: yield
+    finally:
+        if before is None: os.environ.pop('DTNB_DEVICE', None)
+        else: os.environ['DTNB_DEVICE'] = before
 
 # %% ../nbs/00_utils.ipynb #782b4b0d
 def require_group(what:str) -> None:

@@ -3,6 +3,30 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+STANDIN = Path(__file__).resolve().parent / 'standin'
+sys.path.insert(0, str(STANDIN))
+import gpu_standin  # noqa: E402
+
+# Tests whose subject is the CPU path (distributed results against a single CPU process, gloo, loaders) pin dtnb to
+# the CPU with `pytestmark = pytest.mark.usefixtures('cpu_ranks')`, so that they run unchanged beside GPUs: a machine
+# with one GPU cannot host their 2 NCCL ranks. Their GPU counterparts are the `#| cuda` cells, the `cuda`-marked tests
+# and benchmarks/gpu_bench.py, which tools/gpu_check.sh runs on a GPU machine.
+def cpu_env(env=None, *paths) -> dict:
+    """`env` (default: this environment) for a subprocess of a `cpu_ranks` test: `DTNB_DEVICE=cpu`, and the one-GPU
+    stand-in where there is no real accelerator; `paths` go first on PYTHONPATH"""
+    env = dict(os.environ if env is None else env)
+    path = [*map(str, paths), str(STANDIN), env.get('PYTHONPATH')]
+    return {**env, 'DTNB_DEVICE': 'cpu', 'DTNB_STANDIN_GPUS': '1', 'PYTHONPATH': os.pathsep.join(filter(None, path))}
+
+
+@pytest.fixture
+def cpu_ranks(monkeypatch):
+    """dtnb places this test's work on the CPU (`DTNB_DEVICE=cpu`: CPU ranks on gloo, CPU tensors), whatever the
+    machine has. On a machine without an accelerator, torch.accelerator also answers as a one-GPU node (tests/standin),
+    in this process, its forked ranks and (through `cpu_env()`) its subprocesses: so CI proves the test never reaches
+    for a GPU, which on a real one-GPU machine it could not share between two ranks."""
+    monkeypatch.setenv('DTNB_DEVICE', 'cpu')
+    gpu_standin.apply(1, monkeypatch.setattr)
 
 
 @pytest.fixture(scope='module')

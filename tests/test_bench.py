@@ -1,4 +1,5 @@
-"Benchmarks: timing against torch.utils.benchmark, nccl-tests' formulas, collectives and scaling on real gloo ranks"
+"""Benchmarks: timing against torch.utils.benchmark, nccl-tests' formulas, collectives and scaling on real gloo ranks.
+The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
 import json, math, statistics, functools, time, itertools
 import pytest, torch
 import torch.utils.benchmark as tbench
@@ -10,6 +11,8 @@ from dtnb.models import ToyModel
 from dtnb.launcher import launch, default_backend
 from dtnb.device import usable_cores
 from dtnb.utils import default_device
+
+pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
 
 def test_matmul_agrees_with_torch_utils_benchmark():

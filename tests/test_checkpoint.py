@@ -1,16 +1,20 @@
 """Checkpoints under torchrun restarts, with pipeline stages, and with loaders that have workers.
 
 The fault test kills a rank with SIGKILL under `dtnb launch --max-restarts=1` and checks that the finished run is
-bitwise the uninterrupted one. Every test checks real files written by real processes; nothing is mocked."""
+bitwise the uninterrupted one. Every test checks real files written by real processes; nothing is mocked.
+The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
 import json, os, subprocess, sys
 from pathlib import Path
 import pytest, torch
+from conftest import cpu_env
 from torch import nn
+
+pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 DTNB = str(Path(PY).parent / 'dtnb')
-ENV = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')])}
+ENV = cpu_env(None, ROOT)  # DTNB_DEVICE=cpu for the subprocesses too
 SCRIPT = 'tests/scripts/train_ckpt.py'
 
 

@@ -1,4 +1,5 @@
-"Loader profiling, the input-bound verdict and the tuner, on real DataLoaders with real worker processes and real ranks"
+"""Loader profiling, the input-bound verdict and the tuner, on real DataLoaders with real worker processes and real
+ranks. The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
 import statistics, time
 import psutil, pytest, torch
 import torch.nn as nn
@@ -7,6 +8,8 @@ from dtnb.data import SyntheticDataset, SyntheticIterable, SampleError, cores_fr
 from dtnb.steps import input_bound, RankStepProfiles, StepProfile
 from dtnb.tune import loader_trial, tune_loader, worker_limits, measure_sample_cost, loader_report
 from dtnb.launcher import launch
+
+pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
 
 @pytest.fixture(autouse=True)

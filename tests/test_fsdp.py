@@ -1,4 +1,5 @@
-"FSDP on real gloo ranks: equal to one process under every option, half the bytes per rank, the traps caught"
+"""FSDP on real gloo ranks: equal to one process under every option, half the bytes per rank, the traps caught.
+The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +11,7 @@ from dtnb.fsdp import state_bytes, full_state_dict, check_optimizer, plan_fsdp
 from dtnb.models import ToyModel, Block, toy_data
 
 
-pytestmark = pytest.mark.usefixtures('one_thread_per_module')
+pytestmark = pytest.mark.usefixtures('one_thread_per_module', 'cpu_ranks')
 
 
 def make_opt(model, opt):

@@ -1,14 +1,17 @@
 """launch from a real Jupyter kernel, torchrun through `dtnb launch`, two nodes on loopback, and clean-up.
 
-Every test checks that no rank process is left behind: checked with psutil, not assumed."""
+Every test checks that no rank process is left behind: checked with psutil, not assumed.
+The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
 import json, os, subprocess, sys, time
 from pathlib import Path
 import pytest, psutil
+from conftest import cpu_env, gpu_standin
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 DTNB = str(Path(PY).parent / 'dtnb')
-ENV = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')])}
+ENV = cpu_env(None, ROOT)  # DTNB_DEVICE=cpu for the subprocesses too
+pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
 
 def ranks_left():
@@ -176,14 +179,14 @@ def test_launch_in_process_leaves_nothing():
 # accelerator torch was built for, how many devices it counts) are a stand-in, for a node with `n` CUDA GPUs.
 import torch
 from dtnb.launcher import launch, init_distributed, current_device, shutdown, free_port
+from dtnb.utils import placement
 
 
 @pytest.fixture
 def gpus(monkeypatch):
     def node(n):
-        monkeypatch.setattr(torch.accelerator, 'current_accelerator', lambda *a, **k: torch.device('cuda'))
-        monkeypatch.setattr(torch.accelerator, 'device_count', lambda: n)
-        monkeypatch.setattr(torch.accelerator, 'is_available', lambda: True)
+        monkeypatch.delenv('DTNB_DEVICE', raising=False)  # these tests are about the accelerators: no CPU pin
+        for name, answer in gpu_standin.answers(n).items(): monkeypatch.setattr(torch.accelerator, name, answer)
     return node
 
 
@@ -205,8 +208,31 @@ def test_gloo_with_more_ranks_than_gpus_runs_cpu_ranks(gpus):
 def test_device_cpu_runs_cpu_ranks_beside_gpus(gpus):
     gpus(2)
     assert launch(_where, nprocs=2, device='cpu') == ['cpu', 'cpu']
-    with pytest.raises(ValueError, match="device='cpu' needs backend='gloo'"):
+    with pytest.raises(ValueError, match=r"CPU ranks \(device='cpu', DTNB_DEVICE=cpu\) need backend='gloo', not 'nccl'"):
         launch(_where, nprocs=2, device='cpu', backend='nccl')
+
+
+def test_placement_cpu_pins_every_launch_beside_a_gpu(gpus):
+    "Under placement('cpu') (DTNB_DEVICE=cpu) a plain launch starts CPU ranks on gloo where it would need 2 GPUs"
+    gpus(1)
+    with placement('cpu'):
+        assert launch(_where, nprocs=2) == ['cpu', 'cpu']
+        with pytest.raises(ValueError, match=r"CPU ranks \(device='cpu', DTNB_DEVICE=cpu\) need backend='gloo'"):
+            launch(_where, nprocs=2, backend='nccl')
+    with pytest.raises(ValueError, match="2 ranks on this node but 1 cuda device"): launch(_where, nprocs=2)  # put back
+
+
+def test_fit_places_an_unwrapped_model_where_batches_go(gpus):
+    "On a one-GPU node fit moves model and batches to cuda:0 (so on torch's CPU build it fails there); pinned, the CPU"
+    from dtnb.train import fit
+    from dtnb.models import ToyModel, toy_data
+    gpus(1)
+    model, data = ToyModel(), [toy_data(8)[:]]
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        fit(model, data, torch.optim.SGD(model.parameters(), lr=0.1), max_steps=1, progress=False)
+    with placement('cpu'):
+        res = fit(model, data, torch.optim.SGD(model.parameters(), lr=0.1), max_steps=1, progress=False)
+    assert len(res.losses) == 1 and next(model.parameters()).device.type == 'cpu'
 
 
 def test_torchrun_with_more_local_ranks_than_gpus(gpus, monkeypatch):

@@ -1,10 +1,14 @@
 """The training script under `mpirun -n 2`, and under SLURM and MPICH variables set by hand: ranks right, results equal
-one process, a missing address named, never a hang. Every subprocess has a timeout."""
+one process, a missing address named, never a hang. Every subprocess has a timeout.
+The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
 import json, os, random, shutil, socket, subprocess, sys, time
 from pathlib import Path
 import pytest
+from conftest import cpu_env
 from dtnb.launchenv import parse_launch_env
 from dtnb.launcher import init_distributed, free_port
+
+pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -14,7 +18,8 @@ needs_mpirun = pytest.mark.skipif(MPIRUN is None, reason="mpirun not found: inst
                                   "openmpi-bin`; `bash run.sh test` does it when run as root)")
 # loopback only, no MPI transport needed beyond mpirun's own start-up; root allowed in containers
 MPI_OPTS = ['--allow-run-as-root', '--oversubscribe', '--mca', 'btl', 'self,tcp', '--mca', 'btl_tcp_if_include', 'lo',
-            '--mca', 'oob_tcp_if_include', 'lo', '-x', 'PYTHONPATH', '-x', 'OMP_NUM_THREADS']
+            '--mca', 'oob_tcp_if_include', 'lo', '-x', 'PYTHONPATH', '-x', 'OMP_NUM_THREADS', '-x', 'DTNB_DEVICE',
+            '-x', 'DTNB_STANDIN_GPUS']
 LAUNCH_VARS = ('OMPI_', 'PMI', 'PMIX_', 'SLURM_', 'MV2_', 'MPI_', 'I_MPI_', 'PALS_', 'TORCHELASTIC_', 'DTNB_')
 PROBE = '''import json, torch, torch.distributed as dist, dtnb
 g = dtnb.init_distributed()
@@ -29,8 +34,7 @@ def clean_env(**extra):
     "This environment without any launcher's variables, plus `extra`"
     plain = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'MASTER_ADDR', 'MASTER_PORT')
     e = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS) and k not in plain}
-    e['PYTHONPATH'] = os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')])
-    return {**e, 'OMP_NUM_THREADS': '1', **extra}
+    return {**cpu_env(e, ROOT), 'OMP_NUM_THREADS': '1', **extra}  # DTNB_DEVICE=cpu: CPU ranks beside any GPUs
 
 
 def last_json(out):
@@ -163,7 +167,8 @@ def test_missing_address_rule():
 ])
 def test_missing_address_is_a_named_error(monkeypatch, env, how):
     for k in list(os.environ):
-        if k.startswith(LAUNCH_VARS) or k in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'): monkeypatch.delenv(k)
+        if k.startswith(LAUNCH_VARS) and k != 'DTNB_DEVICE' or k in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'):
+            monkeypatch.delenv(k)
     for k, v in env.items(): monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match='MASTER_ADDR') as e: init_distributed(backend='gloo')
     assert how in str(e.value)

@@ -1,4 +1,5 @@
-"Pipeline, tensor and composed parallelism on real gloo process groups, each compared to one process"
+"""Pipeline, tensor and composed parallelism on real gloo process groups, each compared to one process.
+The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
 import itertools, logging, warnings
 import pytest
 import torch
@@ -11,6 +12,8 @@ from dtnb.split import split_model, pipeline_units, balance_bounds
 from dtnb.schedules import schedule_order, simulate_schedule, bubble_fraction, SCHEDULES
 from dtnb.pipeline import apply_pipeline, Pipeline
 from dtnb.parallel import Degrees, parallelize, data_rank, tp_plan, apply_tp
+
+pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
 mse = nn.functional.mse_loss
 

@@ -1,6 +1,7 @@
 """Pipeline parallel for models whose forward is not a chain: Hugging Face GPT-2 (untied and tied) and Llama, tiny and
 randomly initialised, traced by torch's pipelining front end on 2 gloo ranks, equal to one process; each rank's
-model states as `estimate_memory(model, 'pipeline', 2, rank=r, example=...)` counts them, byte for byte"""
+model states as `estimate_memory(model, 'pipeline', 2, rank=r, example=...)` counts them, byte for byte.
+The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
 import pytest
 import torch
 transformers = pytest.importorskip('transformers')  # the `dev` extra; imported once here, inherited by forked ranks
@@ -11,6 +12,8 @@ from dtnb.pipeline import apply_pipeline, causal_lm_loss, Pipeline
 from dtnb.parallel import Degrees, parallelize
 from dtnb.memory import estimate_memory
 from dtnb.measure import _stage_bytes
+
+pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
 BATCH, SEQ, STEPS, LR = 8, 16, 3, 1e-3
 torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),))  # warms torch.export once: forked ranks inherit it

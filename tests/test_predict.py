@@ -11,7 +11,9 @@ round: other jobs only ever add time, also to CPU time (two vCPUs may share a co
 The efficiency is measured here, on another model: the MFU against the measured matmul rate of a smaller `ToyModel`
 on one rank (0.65 to 0.78 here: the step's elementwise work, LayerNorm, GELU, the optimizer, and the transposed weight
 layouts of `nn.Linear`, which the contiguous `bench_matmul` does not see). The check is then of what `predict` adds:
-FLOPs scaled to another model, and DDP's all-reduce from the ZeRO paper's volume over the measured busbw."""
+FLOPs scaled to another model, and DDP's all-reduce from the ZeRO paper's volume over the measured busbw.
+The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
+import pytest
 import functools, statistics, time
 import torch
 from dtnb.launcher import launch
@@ -19,6 +21,8 @@ from dtnb.models import ToyModel
 from dtnb.specs import DeviceSpec
 from dtnb.throughput import step_flops
 from dtnb.forecast import predict, Target
+
+pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
 SMALL = functools.partial(ToyModel, d_in=64, d=256, depth=2, d_out=64)   # measures the efficiency
 BIG = functools.partial(ToyModel, d_in=64, d=512, depth=2, d_out=64)     # is predicted

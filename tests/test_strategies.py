@@ -1,5 +1,6 @@
 """Every strategy `recommend` can name, applied with `wrap` to models nobody here wrote (Hugging Face GPT-2 and Llama,
-random init from tiny configs): equal to one process on real gloo ranks, model states as estimated."""
+random init from tiny configs): equal to one process on real gloo ranks, model states as estimated.
+The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
 import copy
 import pytest
 import torch
@@ -17,7 +18,7 @@ transformers.logging.set_verbosity_error()
 STEPS, BATCH, SEQ, VOCAB = 3, 4, 16, 128
 
 
-pytestmark = pytest.mark.usefixtures('one_thread_per_module')
+pytestmark = pytest.mark.usefixtures('one_thread_per_module', 'cpu_ranks')
 
 
 def gpt2():
