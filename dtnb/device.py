@@ -219,7 +219,8 @@ def _host():
 def _recommend(devices, backends, cuda_init, threads):
     "Device, backend, dtype and fork safety that follow from what was found"
     acc = [d for d in devices if d.type != 'cpu']
-    dev = acc[0] if acc else devices[0]
+    pinned = os.environ.get('DTNB_DEVICE') == 'cpu'  # `placement('cpu')`: dtnb uses the CPU, whatever is here
+    dev = acc[0] if acc and not pinned else devices[0]
     backend = {'cuda': 'nccl', 'xpu': 'xccl'}.get(dev.type, 'gloo')
     if not backends.get(backend): backend = 'gloo'
     if dev.bf16: dtype, why = 'bf16', f"{dev.name} computes bf16 in hardware"
@@ -232,7 +233,7 @@ def _recommend(devices, backends, cuda_init, threads):
     if threads > 1 and fork_safe:
         fork_why += f"; {threads} threads running (dtnb forks only before it starts any of its own)"
     return dict(device=dev.type, backend=backend, dtype=dtype, dtype_reason=why, fork_safe=fork_safe,
-                fork_reason=fork_why)
+                fork_reason=fork_why, pinned=pinned)
 
 # %% ../nbs/00a_device.ipynb #2a30a241
 def _device_rows(r):
@@ -257,7 +258,8 @@ def _summary_rows(r):
             ('backends', ' '.join(k for k, v in r.backends.items() if v) or 'none'), ('launch', launch),
             ('process', f"notebook={r.in_notebook}, cuda initialised={r.cuda_initialized}, threads={r.threads}"),
             ('interconnect', 'single GPU or none' if r.p2p is None else f"p2p {r.p2p}; nvlink {r.nvlink}"),
-            ('recommended', f"device {rec['device']}, backend {rec['backend']}, "
+            ('recommended', f"device {rec['device']}{' (DTNB_DEVICE=cpu)' if rec.get('pinned') else ''}, "
+                            f"backend {rec['backend']}, "
                             f"dtype {rec['dtype']} ({rec['dtype_reason']}); "
                             f"fork {'safe' if rec['fork_safe'] else 'NOT safe'} ({rec['fork_reason']})")]
 

@@ -203,6 +203,16 @@ def test_detect_never_initialises_cuda(gpu_node):
     assert r.p2p == [[True, True], [True, True]] and r.recommended['device'] == 'cuda'
 
 
+def test_recommendation_follows_the_cpu_pin(gpu_node, monkeypatch):
+    """Under DTNB_DEVICE=cpu the GPUs are still reported, but the recommendation that dtnb's own choices follow
+    (bench_collectives' backend, bench_scaling's threads) is the CPU with gloo"""
+    monkeypatch.setenv('DTNB_DEVICE', 'cpu')
+    r = detect()
+    assert len(r.accelerators) == 2 and r.recommended['pinned'] is True
+    assert (r.recommended['device'], r.recommended['backend']) == ('cpu', 'gloo')
+    assert 'recommended: device cpu (DTNB_DEVICE=cpu), backend gloo' in str(r)
+
+
 def test_nvlink_maps_visible_devices_by_bus_id(gpu_node):
     _, nv = gpu_node
     assert detect().nvlink == {0: LINKS[2], 1: LINKS[3]}  # torch's cuda:0 is NVML's device 2
