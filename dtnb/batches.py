@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 from .launcher import world_size, current_device
-from .utils import to_device, tree_map_tensors, tensors, autocast, all_gather_objects
+from .utils import to_device, tree_map_tensors, tensors, autocast, all_gather_objects, cast_inputs
 from .split import _logits  # a Hugging Face output's .logits
 
 # %% auto #0
@@ -23,14 +23,9 @@ _FIX = ("pass keys=('<input key>', '<target key>') (with loss_fn=...), or step_f
         "or use a model whose forward takes the batch's names and returns an output with .loss")
 
 def _cast_inputs(batch, precision, keys=None):
-    "For 'bf16-true': the batch with its floating-point inputs in bf16 (the targets unchanged)"
+    "For 'bf16-true': the batch with its floating-point inputs in bf16 (the targets unchanged: `utils.cast_inputs`)"
     if precision != 'bf16-true': return batch
-    bf16 = lambda x: tree_map_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, x)
-    if isinstance(batch, Mapping):
-        target = keys[1] if keys else 'labels'
-        return {k: v if k == target else bf16(v) for k, v in batch.items()}
-    x, *rest = batch
-    return (bf16(x), *rest)
+    return cast_inputs(batch, torch.bfloat16, keys[1] if keys else 'labels')
 
 def _describe(batch) -> str:
     "A batch's structure in words, for messages: \"dict with keys 'image', 'label'\""

@@ -10,7 +10,7 @@ import gc, copy
 from dataclasses import dataclass, asdict, field
 import torch
 from .utils import tree_map_tensors, tensors, autocast, synchronize, parse_size, fmt_bytes, md_table, text_table
-from .utils import accelerators
+from .utils import accelerators, cast_inputs
 from .device import detect
 from .activations import forward_batch
 from .memory import check_setup, estimate_memory, _device_memory
@@ -110,7 +110,7 @@ def _step_bytes(model, opt, sample, n, dev, precision, loss_fn):
     try:
         batch = batch_of(sample, n, dev)
         if precision == 'bf16-true':
-            batch = tree_map_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, batch)
+            batch = cast_inputs(batch, torch.bfloat16)  # as fit feeds a bf16 model: targets keep their dtype
         synchronize(dev); acc.reset_peak_memory_stats()
         with autocast(dev, precision): loss = _loss(forward_batch(model, batch, loss_fn))
         loss.backward(); opt.step()

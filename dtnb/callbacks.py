@@ -109,6 +109,12 @@ class KeepBest(Callback):
         self.directory, self.monitor, self.mode = directory, monitor, mode
     def on_fit_start(self, state):
         _monitored(state, self.monitor, 'KeepBest')
+        mine = state.checkpoint_dir
+        if mine is not None and Path(self.directory).resolve() == Path(mine).resolve():
+            raise ValueError(f"KeepBest({str(self.directory)!r}) would write into fit's checkpoint_dir: each keeps only "
+                             "its own newest checkpoints, so they would delete each other's, and a resumed fit would "
+                             "start from the best step, not the last. Give KeepBest a directory of its own, e.g. "
+                             f"KeepBest({str(Path(self.directory) / 'best')!r})")
         self.best, self.path = None, None
         for past in state.result.validations:  # a resumed run: the checkpoint kept before the stop stays until beaten
             if _better(past[self.monitor], self.best, self.mode, 0.0): self.best = past[self.monitor]

@@ -10,7 +10,7 @@ import copy, functools
 from dataclasses import dataclass
 import torch
 import torch.distributed as dist
-from .utils import tensors, tree_map_tensors, to_device, autocast, synchronize, md_table, text_table
+from .utils import tensors, to_device, autocast, synchronize, md_table, text_table, cast_inputs
 from .launcher import launch, current_device
 from .ddp import wrap, make_optimizer
 from .activations import SavedCounter, forward_batch, trace_activations
@@ -60,7 +60,7 @@ def _measure_step(model, batch, strategy, optimizer, precision, loss_fn, units, 
     if acc: synchronize(dev); acc.reset_peak_memory_stats(); m0 = acc.memory_allocated()
     if precision == 'bf16-true':
         model = model.to(torch.bfloat16)
-        batch = tree_map_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, batch)
+        batch = cast_inputs(batch, torch.bfloat16)  # as fit feeds a bf16 model: targets keep their dtype
     if strategy == 'pipeline': return _measure_pipeline(model, batch, optimizer, loss_fn, lr, dev, acc and m0)
     model = _apply_strategy(model, strategy, units)
     opt = _make_optimizer(model, optimizer, lr)

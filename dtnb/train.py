@@ -298,6 +298,7 @@ class FitState:
     metrics: dict = field(default_factory=dict)  # the last validation: step, epoch, val_loss, metrics
     metric_names: list = field(default_factory=list)  # the names a validation reports (empty: no validation)
     stop: str = ''           # a reason to stop: fit ends at the next log_every step (or validation), on every rank
+    checkpoint_dir: str|None = None  # where fit writes its own checkpoints (None: it writes none)
 
     @property
     def is_main(self) -> bool: return is_main()
@@ -367,7 +368,8 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
     for k in (*_HISTORY, 'validations'): setattr(res, k, hist.get(k, []))
     res.start_step, epoch = start, getattr(loader, 'epoch', 0) if res.resumed_from else 0
     state = FitState(model, optimizer, res, start, hist.get('epochs_done', 0),
-                     metric_names=['val_loss', *_as_metrics(metrics)] if val_loader is not None else [])
+                     metric_names=['val_loss', *_as_metrics(metrics)] if val_loader is not None else [],
+                     checkpoint_dir=checkpoint_dir)
     skip_end = state.epoch > epoch  # the resumed epoch had ended (and been handled) before the checkpoint
     bar = _progress(progress, loader, epochs, max_steps, accumulate, start)
     pend, stats, samples, t0 = dict(loss=[], norm=[], lr=[]), dict(wait=0.0, steps=start), 0, time.perf_counter()

@@ -7,14 +7,15 @@ Docs: https://dtnb-dev.github.io/dtnb/utils.html.md"""
 # %% ../nbs/00_utils.ipynb #52bfd99f
 from __future__ import annotations
 import os, re, sys, math, contextlib
+from collections.abc import Mapping
 import torch
 from torch.utils import _pytree as pytree
 
 # %% auto #0
 __all__ = ['DTYPES', 'PRECISIONS', 'md_table', 'text_table', 'fmt_bytes', 'parse_size', 'percentile', 'in_notebook',
-           'progress_bar', 'tree_map_tensors', 'tensors', 'to_device', 'accelerators', 'accelerator_type',
-           'default_device', 'synchronize', 'placement', 'require_group', 'broadcast_from_rank0', 'all_gather_objects',
-           'dtype_name', 'as_dtype', 'check_precision', 'autocast', 'shard_numel']
+           'progress_bar', 'tree_map_tensors', 'tensors', 'to_device', 'cast_inputs', 'accelerators',
+           'accelerator_type', 'default_device', 'synchronize', 'placement', 'require_group', 'broadcast_from_rank0',
+           'all_gather_objects', 'dtype_name', 'as_dtype', 'check_precision', 'autocast', 'shard_numel']
 
 # %% ../nbs/00_utils.ipynb #2c24aabb
 def md_table(header, rows) -> str:
@@ -89,9 +90,18 @@ def to_device(batch, device, non_blocking:bool=False):
     "`batch` (tensors in nested tuples, lists, dicts) on `device`"
     return tree_map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
 
+def cast_inputs(batch, dtype, target_key:str='labels'):
+    "`batch` with the floating-point tensors of its inputs in `dtype`, its targets as they are"
+    cast = lambda x: tree_map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, x)
+    if isinstance(batch, Mapping): return {k: v if k == target_key else cast(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)) and len(batch) > 1:  # (inputs, targets, ...), namedtuples too
+        items = [cast(batch[0]), *batch[1:]]
+        return type(batch)(*items) if hasattr(batch, '_fields') else type(batch)(items)
+    return cast(batch)  # a tensor, or a batch of inputs only
+
 # %% ../nbs/00_utils.ipynb #2d77fc1d
 def accelerators() -> tuple:
-    "Accelerator type and device count dtnb may use: `(None, 0)` for none or under `DTNB_DEVICE=cpu`; CUDA stays uninitialised"
+    "The accelerator type and count dtnb may use, `(None, 0)` for none or `DTNB_DEVICE=cpu`; CUDA stays uninitialised"
     if os.environ.get('DTNB_DEVICE') == 'cpu': return (None, 0)
     acc = torch.accelerator.current_accelerator()  # what torch was built for: no runtime call
     n = torch.accelerator.device_count() if acc is not None else 0  # CUDA: counted through NVML

@@ -49,7 +49,8 @@ install() {  # into a venv over PYTHON's packages (torch stays the preinstalled 
     echo "no wheelhouse at $WHEELS: run tools/build_wheelhouse.sh on a networked machine"; return 1
   fi
   requirements >"${TMPDIR:-/tmp}/dtnb-gpu-requirements.txt" || return 1
-  "${PIP[@]}" install --no-index --find-links "$WHEELS" -r "${TMPDIR:-/tmp}/dtnb-gpu-requirements.txt" -e . || return 1
+  "${PIP[@]}" install --no-index --no-compile --find-links "$WHEELS" -r "${TMPDIR:-/tmp}/dtnb-gpu-requirements.txt" -e . \
+    || return 1  # --no-compile: the modules compile on first import anyway
   export PATH="$BIN:$PATH"
 }
 
