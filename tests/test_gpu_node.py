@@ -10,7 +10,7 @@ import ast, json, re
 from pathlib import Path
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, gpu_standin
 from dtnb.utils import accelerators, placement
 
 PIN = "os.environ['DTNB_DEVICE'] = 'cpu'"
@@ -72,3 +72,27 @@ def test_cpu_ranks_pins_dtnb_and_stands_in_for_one_gpu(cpu_ranks):
     assert accelerators() == (None, 0)
     with placement(None):
         assert accelerators() == ('cuda', 1) or torch.accelerator.current_accelerator(check_available=True) is not None
+
+
+# --- GPU rules proved on this CPU: torch.accelerator answers as a one-GPU node, nothing pinned ----------------------
+# On torch's CPU build, the first thing placed on 'cuda:0' fails with "Torch not compiled with CUDA enabled": so
+# each failure below shows where dtnb would put the work on a real one-GPU machine.
+@pytest.fixture
+def one_gpu(monkeypatch):
+    monkeypatch.delenv('DTNB_DEVICE', raising=False)
+    for name, answer in gpu_standin.answers(1).items(): monkeypatch.setattr(torch.accelerator, name, answer)
+
+
+def test_loader_report_step_puts_its_model_where_input_bound_puts_batches(one_gpu):
+    from dtnb.tune import _toy_step
+    from dtnb.utils import default_device
+    assert default_device() == torch.device('cuda', 0)
+    with pytest.raises((AssertionError, RuntimeError), match='CUDA'): _toy_step((3, 4, 4))  # the model goes to cuda:0
+    with placement('cpu'):
+        assert next(_toy_step((3, 4, 4)).model.parameters()).device.type == 'cpu'
+
+
+def test_two_ranks_on_one_gpu_are_refused_unless_pinned(one_gpu):
+    from dtnb.launcher import launch
+    with pytest.raises(ValueError, match="2 ranks on this node but 1 cuda device"): launch(str, nprocs=2)
+    with placement('cpu'): assert launch(str, 1, nprocs=2) == ['1', '1']
