@@ -114,9 +114,45 @@ def _as_metrics(metrics) -> dict:
 
 
 # %% ../nbs/03d_batches.ipynb #dcdafd08
+def _pipeline_args(group, keys=None) -> tuple:
+    "The arguments of a pipeline's `step` for a group of batches: tensors concatenated (a dict's key by key)"
+    if isinstance(group[0], dict):
+        cat = {k: torch.cat([b[k] for b in group]) for k in group[0]}
+        return (cat[keys[0]], cat[keys[1]]) if keys else (cat,)  # a dict goes whole: `Pipeline.step` reads its keys
+    return tuple(torch.cat(parts) for parts in zip(*group))
+
+def _is_pipeline(model) -> bool: return callable(getattr(model, 'eval_loss', None)) and not isinstance(model, nn.Module)
+
+def _check_pipeline_validation(metrics, loader):
+    "Why a pipeline cannot validate on `loader` with `metrics`, raised on every rank alike (before any collective)"
+    if _as_metrics(metrics):
+        raise ValueError("metrics score predictions, and a pipeline holds them only on its last stage: a pipeline "
+                         "validates its val_loss; score metrics on one process (export_model gives the whole model)")
+    s, _ = _sampler(loader)
+    if _real_samples(loader) is not None and len(s.dataset) % s.num_replicas:
+        raise ValueError(f"the val_loader's DistributedSampler pads {len(s.dataset)} samples to "
+                         f"{s.num_replicas} equal shares, and a pipeline validates whole batches, so the padding "
+                         f"would count: use a validation set of a multiple of {s.num_replicas} samples, or "
+                         "distributed_loader(..., drop_last=True)")
+
+def _evaluate_pipeline(model, loader, keys, precision) -> dict:
+    "A pipeline's mean loss over `loader`: each batch forward only through every stage, the loss known on every rank"
+    total, n, was = 0.0, 0, getattr(model, 'training', True)
+    model.eval()
+    try:
+        for b in loader:
+            k = _batch_size(b)  # every rank of a replica reads the same batch; replicas read equal ones
+            total += model.eval_loss(*_pipeline_args([_cast_inputs(b, precision, keys)], keys)).item() * k; n += k
+    finally: model.train(was)
+    return dict(val_loss=total / n if n else float('nan'))
+
+# %% ../nbs/03d_batches.ipynb #5d7ac14e
 @torch.no_grad()
 def evaluate(model, loader, loss_fn=None, metrics=None, *, step_fn=None, keys=None, precision=None) -> dict:
     "Mean loss and `metrics` over `loader`, every sample counted once over the ranks: {'val_loss': ..., name: ...}"
+    if _is_pipeline(model):  # the loss_fn given to apply_pipeline computes the loss, on the last stage
+        _check_pipeline_validation(metrics, loader)
+        return _evaluate_pipeline(model, loader, keys, precision)
     device, metrics, left = current_device(), _as_metrics(metrics), _real_samples(loader)
     stateful = {k for k, m in metrics.items() if callable(getattr(m, 'update', None)) and hasattr(m, 'compute')}
     for k in stateful: getattr(metrics[k], 'reset', lambda: None)()

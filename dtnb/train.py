@@ -13,6 +13,7 @@ from torch import nn
 from .launcher import world_size, is_main, current_device
 from .utils import md_table, text_table, to_device, progress_bar, check_precision, autocast
 from .batches import _cast_inputs, _forward, _batch_size, _check_loader, _check_fp16, _as_metrics, evaluate
+from .batches import _pipeline_args, _check_pipeline_validation
 from .models import find_blocks
 from .fsdp import check_optimizer
 from .resume import resumable
@@ -164,12 +165,7 @@ def _step_losses(losses, strategy) -> list:
     if not losses: return []
     return _mean_over_ranks(losses) if strategy != 'pipeline' else [float(l) for l in losses]
 
-def _pipeline_args(group, keys=None) -> tuple:
-    "The arguments of a pipeline's `step` for a group of batches: tensors concatenated (a dict's key by key)"
-    if isinstance(group[0], dict):
-        cat = {k: torch.cat([b[k] for b in group]) for k in group[0]}
-        return (cat[keys[0]], cat[keys[1]]) if keys else (cat,)  # a dict goes whole: `Pipeline.step` reads its keys
-    return tuple(torch.cat(parts) for parts in zip(*group))
+
 
 # %% ../nbs/04d_train.ipynb #c012
 _HISTORY = ('losses', 'lrs', 'grad_norms')
@@ -348,7 +344,7 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
                 keys, log_every)
     precision = _precision(model, precision)  # checks the name before any work
     device, strategy = current_device(), _strategy_name(model)
-    if strategy == 'pipeline' and val_loader is not None: raise ValueError("fit validates no pipeline yet")
+    if strategy == 'pipeline' and val_loader is not None: _check_pipeline_validation(metrics, val_loader)
     if strategy == 'pipeline' and step_fn is not None:
         raise ValueError("step_fn does not apply to a pipeline: its loss is computed on the last stage by the loss_fn "
                          "given to apply_pipeline(model, loss_fn, ...); pass keys=(inputs, targets) for dict batches")

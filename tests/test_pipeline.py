@@ -278,15 +278,23 @@ def fit_pipe(degrees, dicts=False):
     ds = torch.utils.data.TensorDataset(*(t.view(3, n, 16 // n, -1)[:, r].reshape(-1, t.shape[-1]) for t in (x, y)))  # this rank's share
     kw = dict(keys=('inputs', 'targets')) if dicts else {}
     if dicts: ds = [dict(inputs=a, targets=b) for a, b in ds]  # dict batches: fit cuts them by `keys`
+    xv, yv = toy_data(32, seed=1)[:]  # validated at the end of the epoch: this replica's half (or all) of 32
+    val = torch.utils.data.TensorDataset(*(t.view(2, n, 16 // n, -1)[:, r].reshape(-1, t.shape[-1]) for t in (xv, yv)))
+    if dicts: val = [dict(inputs=a, targets=b) for a, b in val]
     res = fit(model, DataLoader(ds, batch_size=16 // n), torch.optim.SGD(model.parameters(), lr=0.1), progress=False,
-              **kw)
-    return res.losses, res.samples, {k: full(v).detach().clone() for k, v in model.state_dict().items()}, model.data_parallel_size
+              val_loader=DataLoader(val, batch_size=16 // n), **kw)
+    return (res.losses, res.samples, {k: full(v).detach().clone() for k, v in model.state_dict().items()},
+            model.data_parallel_size, [v['val_loss'] for v in res.validations])
 
 @pytest.mark.parametrize('degrees,dicts', [(dict(pp=2), False), (dict(pp=2), True), (dict(pp=2, dp_replicate=2), False)])
 def test_fit_trains_a_pipeline_like_one_process(degrees, dicts):
     losses, _, params = ref()
     res = launch(fit_pipe, degrees, dicts, nprocs=2 * len(degrees))
-    for l, samples, _, dp in res:
+    one = ToyModel(); one.load_state_dict(params)
+    xv, yv = toy_data(32, seed=1)[:]
+    with torch.no_grad(): val = mse(one(xv), yv).item()  # the trained model of one process, on the whole set
+    for l, samples, _, dp, vals in res:
         assert_close(l, losses, what='loss'); assert samples == 48 and dp == degrees.get('dp_replicate', 1)
-    p = {k: v for _, _, ps, _ in res for k, v in ps.items()}
+        assert_close(vals, [val], what='val_loss')  # every rank, every stage
+    p = {k: v for _, _, ps, _, _ in res for k, v in ps.items()}
     for k in params: assert_close(p[k], params[k], what=k)
