@@ -136,14 +136,16 @@ def _rank0_buffers(model, sd:dict) -> dict:
     if d is None or d.get_world_size() == 1: return {}
     mine = {k: (list(v.shape), str(v.dtype)) for k, v in _live_buffers(model).items() if k in sd['model']}
     parts = all_gather_objects(mine)
-    own = {}
-    for k in sorted(mine):
-        if any(p.get(k) != mine[k] for p in parts): continue  # not on every rank alike (pipeline stages)
-        v = sd['model'][k]
-        t = v.detach().clone()
-        d.broadcast(t, 0)
-        if not torch.equal(t, v): own[k] = v.detach().cpu().clone()
-        sd['model'][k] = t
+    groups, own = {}, {}  # buffers every rank holds alike (not a pipeline stage's own), by dtype and device type
+    for k in sorted(k for k in mine if all(p.get(k) == mine[k] for p in parts)):
+        v = sd['model'][k]; groups.setdefault((v.dtype, v.device.type), []).append(k)
+    for ks in groups.values():  # one broadcast per group, not one per buffer (a ResNet-50 has 160)
+        flat = torch.cat([sd['model'][k].detach().reshape(-1) for k in ks])
+        d.broadcast(flat, 0)
+        for k, t in zip(ks, flat.split([sd['model'][k].numel() for k in ks])):
+            v = sd['model'][k]
+            if not torch.equal(t.view_as(v), v): own[k] = v.detach().cpu().clone()
+            sd['model'][k] = t.view_as(v).clone()
     return own
 
 # %% ../nbs/04a_checkpoint.ipynb #c027
