@@ -2,7 +2,7 @@
 # The two commands of the README:
 #   bash run.sh main   set up .venv and run the main job (dtnb report --quick, written to dtnb-report/)
 #   bash run.sh test   set up .venv, install mpirun and Chromium where it can (test_deps), run every test
-#                      (nbdev-test, then pytest tests/)
+#                      (nbdev-test through tools/test_notebooks.sh, then pytest tests/)
 # Setup is idempotent: a second run reuses .venv. TORCH_SPEC picks another torch (default: the 2.13.0 wheel,
 # the CPU build on machines that carry it; a GPU machine may set TORCH_SPEC=torch to get its CUDA build).
 set -euo pipefail
@@ -36,25 +36,12 @@ test_deps() {
   [ "${DTNB_REQUIRE_TEST_DEPS:-0}" != 1 ] || exit 1
 }
 
-# nbdev-test over every notebook. The notebooks that pin dtnb to the CPU (`os.environ['DTNB_DEVICE'] = 'cpu'`: their
-# 2-rank cells could not share one GPU) run with torch.accelerator answering as a one-GPU node (tests/standin, a
-# stand-in for the device query only; nothing where a real accelerator exists): proof that they never reach for a GPU.
-# The others run as they are. Both get DTNB_NBDEV_TEST_ARGS.
-notebooks() {
-  local pinned
-  pinned=$(grep -l "os.environ\['DTNB_DEVICE'\] = 'cpu'" nbs/*.ipynb nbs/tutorials/*.ipynb | xargs -n1 basename |
-           sed 's/[.]ipynb$//' | paste -sd'|')
-  PYTHONPATH="$PWD/tests/standin${PYTHONPATH:+:$PYTHONPATH}" DTNB_STANDIN_GPUS=1 \
-    "$VENV/bin/nbdev-test" --file-re "^($pinned)[.]ipynb$" ${DTNB_NBDEV_TEST_ARGS:-}
-  "$VENV/bin/nbdev-test" --skip-file-re "^([_.]|($pinned)[.]ipynb$)" ${DTNB_NBDEV_TEST_ARGS:-}
-}
-
 case "${1:-}" in
   setup) setup ;;
   main)  setup; "$VENV/bin/dtnb" report --quick --out dtnb-report ;;
   test)  setup
          test_deps
-         notebooks
+         NBDEV_TEST="$VENV/bin/nbdev-test" bash tools/test_notebooks.sh ${DTNB_NBDEV_TEST_ARGS:-}
          "$VENV/bin/pytest" tests/ -q ;;
   *) echo "usage: bash run.sh main|test|setup" >&2; exit 2 ;;
 esac

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib, inspect
 from dataclasses import dataclass
 import torch
-from .utils import PRECISIONS, check_precision, tree_map_tensors, tensors, autocast
+from .utils import PRECISIONS, check_precision, tree_map_tensors, tensors, autocast, cast_inputs
 from .models import find_blocks
 
 # %% auto #0
@@ -113,7 +113,10 @@ def _prepare(model, batch, precision, fake):
     with torch.no_grad():
         params = {k: half(conv(p.detach())).requires_grad_(p.requires_grad) for k, p in model.named_parameters()}
         params |= {k: half(conv(b.detach())).requires_grad_(b.requires_grad) for k, b in model.named_buffers()}
-    return mode, params, tree_map_tensors(lambda t: half(conv(t)), batch)
+    batch = tree_map_tensors(conv, batch)
+    if cast:  # the inputs, as fit feeds a bf16 model (`utils.cast_inputs`): targets keep their dtype
+        with mode: batch = cast_inputs(batch, torch.bfloat16)
+    return mode, params, batch
 
 # %% ../nbs/03_activations.ipynb #519ed8dd
 def trace_activations(model, # an `nn.Module`; it is not changed, and nothing of its size is allocated

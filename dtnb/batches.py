@@ -123,11 +123,19 @@ def _pipeline_args(group, keys=None) -> tuple:
 
 def _is_pipeline(model) -> bool: return callable(getattr(model, 'eval_loss', None)) and not isinstance(model, nn.Module)
 
-def _check_pipeline_validation(metrics, loader):
-    "Why a pipeline cannot validate on `loader` with `metrics`, raised on every rank alike (before any collective)"
+def _check_pipeline_validation(model, metrics, loader):
+    "Why a pipeline cannot validate on `loader` with `metrics`, raised on every rank alike before any forward"
+    if not getattr(model, 'evaluates', True):
+        raise ValueError(f"torch's {model.schedule_name!r} schedule cannot run forward only, so this pipeline cannot "
+                         "validate: train it on another schedule (e.g. 'interleaved1f1b'), or validate on one process")
     if _as_metrics(metrics):
         raise ValueError("metrics score predictions, and a pipeline holds them only on its last stage: a pipeline "
                          "validates its val_loss; score metrics on one process (export_model gives the whole model)")
+    counts = all_gather_objects(len(loader) if hasattr(loader, '__len__') else None)  # every forward is a collective
+    if None not in counts and len(set(counts)) > 1:
+        raise ValueError(f"the val_loader gives the ranks {counts} batches: every batch is a collective through the "
+                         "stages and over the data-parallel replicas, so every rank needs as many (a "
+                         "distributed_loader splits a set evenly)")
     s, _ = _sampler(loader)
     if _real_samples(loader) is not None and len(s.dataset) % s.num_replicas:
         raise ValueError(f"the val_loader's DistributedSampler pads {len(s.dataset)} samples to "
@@ -151,7 +159,7 @@ def _evaluate_pipeline(model, loader, keys, precision) -> dict:
 def evaluate(model, loader, loss_fn=None, metrics=None, *, step_fn=None, keys=None, precision=None) -> dict:
     "Mean loss and `metrics` over `loader`, every sample counted once over the ranks: {'val_loss': ..., name: ...}"
     if _is_pipeline(model):  # the loss_fn given to apply_pipeline computes the loss, on the last stage
-        _check_pipeline_validation(metrics, loader)
+        _check_pipeline_validation(model, metrics, loader)
         return _evaluate_pipeline(model, loader, keys, precision)
     device, metrics, left = current_device(), _as_metrics(metrics), _real_samples(loader)
     stateful = {k for k, m in metrics.items() if callable(getattr(m, 'update', None)) and hasattr(m, 'compute')}

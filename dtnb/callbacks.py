@@ -111,9 +111,9 @@ class KeepBest(Callback):
         _monitored(state, self.monitor, 'KeepBest')
         mine = state.checkpoint_dir
         if mine is not None and Path(self.directory).resolve() == Path(mine).resolve():
-            raise ValueError(f"KeepBest({str(self.directory)!r}) would write into fit's checkpoint_dir: each keeps only "
-                             "its own newest checkpoints, so they would delete each other's, and a resumed fit would "
-                             "start from the best step, not the last. Give KeepBest a directory of its own, e.g. "
+            raise ValueError(f"KeepBest({str(self.directory)!r}) would write into fit's checkpoint_dir: each keeps "
+                             "only its own newest checkpoints, so they would delete each other's, and a resumed fit "
+                             "would start from the best step, not the last. Give KeepBest a directory of its own, e.g. "
                              f"KeepBest({str(Path(self.directory) / 'best')!r})")
         self.best, self.path = None, None
         for past in state.result.validations:  # a resumed run: the checkpoint kept before the stop stays until beaten

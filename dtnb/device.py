@@ -9,7 +9,7 @@ from __future__ import annotations
 import os, sys, re, platform, shutil, threading, datetime
 from dataclasses import dataclass, field, asdict
 from collections.abc import Mapping
-from .utils import md_table, text_table, in_notebook, fmt_bytes
+from .utils import md_table, text_table, in_notebook, fmt_bytes, cpu_pinned
 from .specs import capability_features, peak_tflops
 from .launchenv import LaunchEnv, parse_launch_env
 
@@ -219,7 +219,7 @@ def _host():
 def _recommend(devices, backends, cuda_init, threads):
     "Device, backend, dtype and fork safety that follow from what was found"
     acc = [d for d in devices if d.type != 'cpu']
-    pinned = os.environ.get('DTNB_DEVICE') == 'cpu'  # `placement('cpu')`: dtnb uses the CPU, whatever is here
+    pinned = cpu_pinned()  # `placement('cpu')`: dtnb uses the CPU, whatever is here
     dev = acc[0] if acc and not pinned else devices[0]
     backend = {'cuda': 'nccl', 'xpu': 'xccl'}.get(dev.type, 'gloo')
     if not backends.get(backend): backend = 'gloo'
@@ -287,7 +287,9 @@ class DeviceReport:
         return asdict(self)
 
     @property
-    def accelerators(self): return [d for d in self.devices if d.type != 'cpu']
+    def accelerators(self):
+        "The accelerators dtnb may use: none under `DTNB_DEVICE=cpu` (`devices` still lists every device found)"
+        return [] if self.recommended.get('pinned') else [d for d in self.devices if d.type != 'cpu']
 
     def fingerprint(self) -> str:
         "Short identity of this machine for benchmark results"

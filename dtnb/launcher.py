@@ -13,7 +13,7 @@ from multiprocessing.connection import wait as _wait
 from .device import usable_cores
 from .launchenv import parse_launch_env, LaunchEnvError
 from .failures import LaunchError, _report
-from .utils import accelerators, placement
+from .utils import accelerators, placement, cpu_pinned
 
 # %% auto #0
 __all__ = ['BACKENDS', 'default_backend', 'check_backend', 'current_device', 'RendezvousError', 'init_distributed', 'rank',
@@ -110,6 +110,9 @@ def init_distributed(backend:str|None=None, # 'gloo', 'nccl', ...; default from 
     import torch, torch.distributed as dist
     if dist.is_initialized(): return dist.group.WORLD
     le = parse_launch_env()
+    if backend == 'nccl' and cpu_pinned():
+        raise ValueError("backend='nccl' needs GPUs, and DTNB_DEVICE=cpu places this rank on the CPU: pass "
+                         "backend='gloo' (or None), or unset DTNB_DEVICE")
     backend = check_backend(backend)
     dev = current_device()
     if dev.type not in ('cpu', 'mps'): torch.accelerator.set_device_index(dev.index)
@@ -288,14 +291,15 @@ def _check_args(fn, nprocs):
 def _placement(nprocs, backend, device):
     "Backend and device of `nprocs` local ranks: one accelerator each, or CPU ranks on gloo when asked"
     if backend is not None and backend not in BACKENDS: check_backend(backend)  # an unknown name, said first
-    if device is None and os.environ.get('DTNB_DEVICE') == 'cpu': device = 'cpu'  # pinned: `placement('cpu')`
-    with placement(None): acc, n = accelerators()  # what the node has, for the messages
+    how = "device='cpu'" if device == 'cpu' else 'DTNB_DEVICE=cpu'
+    if device is None and cpu_pinned(): device = 'cpu'  # pinned: `placement('cpu')`
+    acc, n = accelerators(pin=False)  # what the node has, for the messages
     if device not in (None, 'cpu'):
         raise ValueError(f"device={device!r}: pass device='cpu' for CPU ranks, "
                          f"or None for one {acc or 'device'} per rank")
     if device == 'cpu' or (backend == 'gloo' and acc not in (None, 'mps') and nprocs > n):
         if backend not in (None, 'gloo'):
-            raise ValueError(f"CPU ranks (device='cpu', DTNB_DEVICE=cpu) need backend='gloo', not {backend!r}")
+            raise ValueError(f"CPU ranks ({how}) need backend='gloo', not {backend!r}")
         return 'gloo', 'cpu'
     if acc not in (None, 'mps') and nprocs > n: raise ValueError(_oversubscribed(nprocs, n, acc))
     return backend, None

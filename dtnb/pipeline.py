@@ -212,9 +212,13 @@ class Pipeline:
     def step(self, inputs, targets=None) -> torch.Tensor:
         "Train on one batch (forward, loss, backward over all microbatches): inputs and targets, or a dict batch"
         return self._run(inputs, targets, train=True)
+    @property
+    def evaluates(self) -> bool:
+        "Whether this schedule can run forward only (`eval_loss`): not the V schedules in torch 2.13"
+        return SCHEDULES[self.schedule_name][1] != 'two (V)'  # they fail there ("can't steal_bwd_input")
     def eval_loss(self, inputs, targets=None) -> torch.Tensor:
         "The batch loss, forward only, on every rank"
-        if SCHEDULES[self.schedule_name][1] == 'two (V)':  # torch 2.13 fails there ("can't steal_bwd_input")
+        if not self.evaluates:
             raise NotImplementedError(f"torch's {self.schedule_name!r} schedule cannot run forward only; evaluate "
                                       "with a pipeline on another schedule, or on one process")
         return self._run(inputs, targets, train=False)
@@ -254,6 +258,8 @@ class Pipeline:
             if missing := [k for k in own if k not in state_dict]:
                 raise KeyError(f"state_dict lacks {missing[:5]} of stage {self.stage_indices}")
             _unwrap(m).load_state_dict({k: state_dict[k] for k in own})
+    @property
+    def training(self) -> bool: return all(m.training for m in self.modules)
     def train(self, mode:bool=True):
         for m in self.modules: m.train(mode)
         return self

@@ -344,7 +344,7 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
                 keys, log_every)
     precision = _precision(model, precision)  # checks the name before any work
     device, strategy = current_device(), _strategy_name(model)
-    if strategy == 'pipeline' and val_loader is not None: _check_pipeline_validation(metrics, val_loader)
+    if strategy == 'pipeline' and val_loader is not None: _check_pipeline_validation(model, metrics, val_loader)
     if strategy == 'pipeline' and step_fn is not None:
         raise ValueError("step_fn does not apply to a pipeline: its loss is computed on the last stage by the loss_fn "
                          "given to apply_pipeline(model, loss_fn, ...); pass keys=(inputs, targets) for dict batches")

@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 # %% auto #0
 __all__ = ['DTYPES', 'PRECISIONS', 'md_table', 'text_table', 'fmt_bytes', 'parse_size', 'percentile', 'in_notebook',
-           'progress_bar', 'tree_map_tensors', 'tensors', 'to_device', 'cast_inputs', 'accelerators',
+           'progress_bar', 'tree_map_tensors', 'tensors', 'to_device', 'cast_inputs', 'cpu_pinned', 'accelerators',
            'accelerator_type', 'default_device', 'synchronize', 'placement', 'require_group', 'broadcast_from_rank0',
            'all_gather_objects', 'dtype_name', 'as_dtype', 'check_precision', 'autocast', 'shard_numel']
 
@@ -100,9 +100,17 @@ def cast_inputs(batch, dtype, target_key:str='labels'):
     return cast(batch)  # a tensor, or a batch of inputs only
 
 # %% ../nbs/00_utils.ipynb #2d77fc1d
-def accelerators() -> tuple:
+def cpu_pinned() -> bool:
+    "Whether `DTNB_DEVICE=cpu` pins dtnb to the CPU (any other value is an error that says so)"
+    v = os.environ.get('DTNB_DEVICE', '')
+    if v not in ('', 'cpu'):
+        raise ValueError(f"DTNB_DEVICE={v!r}: its one value is 'cpu' (dtnb then places ranks and tensors on the CPU); "
+                         "unset it to use the accelerators")
+    return v == 'cpu'
+
+def accelerators(pin:bool=True) -> tuple:
     "The accelerator type and count dtnb may use, `(None, 0)` for none or `DTNB_DEVICE=cpu`; CUDA stays uninitialised"
-    if os.environ.get('DTNB_DEVICE') == 'cpu': return (None, 0)
+    if pin and cpu_pinned(): return (None, 0)  # pin=False: what the node has, pinned or not
     acc = torch.accelerator.current_accelerator()  # what torch was built for: no runtime call
     n = torch.accelerator.device_count() if acc is not None else 0  # CUDA: counted through NVML
     return (acc.type, n) if n else (None, 0)

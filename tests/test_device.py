@@ -204,11 +204,12 @@ def test_detect_never_initialises_cuda(gpu_node):
 
 
 def test_recommendation_follows_the_cpu_pin(gpu_node, monkeypatch):
-    """Under DTNB_DEVICE=cpu the GPUs are still reported, but the recommendation that dtnb's own choices follow
-    (bench_collectives' backend, bench_scaling's threads) is the CPU with gloo"""
+    """Under DTNB_DEVICE=cpu the GPUs are still listed, but what dtnb's own choices follow is the CPU: the
+    recommendation (bench_collectives' backend), `accelerators` (memory budgets, bench_all's ranks), the fingerprint"""
     monkeypatch.setenv('DTNB_DEVICE', 'cpu')
     r = detect()
-    assert len(r.accelerators) == 2 and r.recommended['pinned'] is True
+    assert [d.type for d in r.devices].count('cuda') == 2 and r.accelerators == [] and r.recommended['pinned'] is True
+    assert r.fingerprint().startswith(f"{r.host['usable_cores']}-core")  # what dtnb measures on then: the CPU
     assert (r.recommended['device'], r.recommended['backend']) == ('cpu', 'gloo')
     assert 'recommended: device cpu (DTNB_DEVICE=cpu), backend gloo' in str(r)
 

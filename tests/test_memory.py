@@ -1,4 +1,5 @@
-"Memory planner: the ZeRO figure, estimates against real steps on 2 gloo ranks, traces against real forwards"
+"""Memory planner: the ZeRO figure, estimates against real steps on 2 gloo ranks, traces against real forwards.
+The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
 import json
 from dataclasses import replace
 import pytest
@@ -7,6 +8,8 @@ from dtnb.activations import trace_activations
 from dtnb.memory import estimate_memory, recommend, memory_explorer, TransformerShape, optimizer_bytes
 from dtnb.measure import measure_memory
 from dtnb.models import ToyModel, GPT, find_blocks
+
+pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
 
 # ---- the ZeRO paper's figure 1 -------------------------------------------------------------------------------------

@@ -167,7 +167,8 @@ def test_missing_address_rule():
 ])
 def test_missing_address_is_a_named_error(monkeypatch, env, how):
     for k in list(os.environ):
-        if k.startswith(LAUNCH_VARS) and k != 'DTNB_DEVICE' or k in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'):
+        if k.startswith(LAUNCH_VARS) and k != 'DTNB_DEVICE' or k in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR',
+                                                                     'MASTER_PORT'):
             monkeypatch.delenv(k)
     for k, v in env.items(): monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match='MASTER_ADDR') as e: init_distributed(backend='gloo')

@@ -1,13 +1,17 @@
 """`dtnb report` on this machine: its files, a summary that follows its own measurements, your model trained in every
-strategy, and the HTML page in a real browser. One quick report is run once and shared by the tests."""
+strategy, and the HTML page in a real browser. One quick report is run once and shared by the tests.
+The CPU is the subject: the report runs with DTNB_DEVICE=cpu on any machine (`cpu_env`, conftest.py), so its figures
+are this CPU's; tools/gpu_check.sh runs `dtnb report --quick` on a GPU machine's GPUs."""
 import json, os, subprocess, sys, time
 from pathlib import Path
 import pytest
+from conftest import cpu_env
 from test_site import browser, visit  # noqa: F401 (a fixture: headless Chromium, skipped only when told to)
 
 ROOT = Path(__file__).resolve().parent.parent
 DTNB = str(Path(sys.executable).parent / 'dtnb')
-ENV = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT / 'tests'), os.environ.get('PYTHONPATH', '')])}
+ENV = cpu_env(None, ROOT / 'tests')  # DTNB_DEVICE=cpu, and the one-GPU stand-in where no GPU is
+pytestmark = pytest.mark.usefixtures('cpu_ranks')
 TRAINING, PLAN, LOADER = 'Training: every strategy, same losses', 'Which strategy fits', 'Data loader: input-bound?'
 
 

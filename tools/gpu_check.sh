@@ -49,8 +49,9 @@ install() {  # into a venv over PYTHON's packages (torch stays the preinstalled 
     echo "no wheelhouse at $WHEELS: run tools/build_wheelhouse.sh on a networked machine"; return 1
   fi
   requirements >"${TMPDIR:-/tmp}/dtnb-gpu-requirements.txt" || return 1
-  "${PIP[@]}" install --no-index --no-compile --find-links "$WHEELS" -r "${TMPDIR:-/tmp}/dtnb-gpu-requirements.txt" -e . \
-    || return 1  # --no-compile: the modules compile on first import anyway
+  # --no-compile: the modules compile on first import anyway
+  "${PIP[@]}" install --no-index --no-compile --find-links "$WHEELS" -r "${TMPDIR:-/tmp}/dtnb-gpu-requirements.txt" \
+    -e . || return 1
   export PATH="$BIN:$PATH"
 }
 
@@ -92,7 +93,7 @@ step env-json sh -c "dtnb env --json >'$OUT_DIR/env.json'"
 step env dtnb env
 flags=$(flags_for "$n")
 [ "$n" -ge 2 ] || echo "gpu_check: one GPU: #| multicuda cells and multicuda tests are skipped"
-step nbdev-test nbdev-test --flags "$flags" --n-workers 1 --timing
+step nbdev-test bash tools/test_notebooks.sh --flags "$flags" --n-workers 1 --timing  # pinned, then unpinned
 marks=$( [ "$n" -ge 2 ] && echo "" || echo "not multicuda" )
 step pytest "$PY" -m pytest -ra -p no:cacheprovider tests --ignore=tests/test_site.py -m "$marks" \
   --junitxml="$OUT_DIR/pytest.xml"
