@@ -45,7 +45,7 @@ def _shapes(model, b):
             + [(m.out_features, m.in_features, b) for m in lin])
 
 
-def _measure(model_fns, rounds=3):
+def _measure(model_fns, rounds=5):
     "In each rank, for each model: its matmul rate (TFLOPS), the all-reduce busbw at its gradients' size, its step"
     import torch.distributed as dist
     from dtnb.bench import bench_matmul
