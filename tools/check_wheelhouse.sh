@@ -23,7 +23,8 @@ done
   export PIP_NO_INDEX=1 PIP_CONFIG_FILE=/dev/null http_proxy=http://127.0.0.1:9 https_proxy=http://127.0.0.1:9 \
          HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9
   PYTHON="$img" WHEELHOUSE="$tmp/whl" GPU_CHECK_VENV=none bash tools/gpu_check.sh --install-only \
-    >"$tmp/install.log" 2>&1 || { tail -30 "$tmp/install.log"; echo "check_wheelhouse: offline install failed"; exit 1; } )
+    >"$tmp/install.log" 2>&1 || { tail -30 "$tmp/install.log"; echo "check_wheelhouse: offline install failed"
+                                  exit 1; } )
 where=$("$img" -c 'import dtnb, nbdev, execnb, fastcore, ipywidgets; print(dtnb.__file__)')
 case "$where" in "$PWD"/*) ;; *) echo "check_wheelhouse: dtnb imports from $where, not this checkout"; exit 1 ;; esac
 echo "check_wheelhouse: built against the image's package list, installed offline, dtnb's stack imports"
