@@ -13,7 +13,7 @@ from multiprocessing.connection import wait as _wait
 from .device import usable_cores
 from .launchenv import parse_launch_env, LaunchEnvError
 from .failures import LaunchError, _report
-from .utils import accelerators, placement, cpu_pinned
+from .utils import accelerators, cpu_pinned
 
 # %% auto #0
 __all__ = ['BACKENDS', 'default_backend', 'check_backend', 'current_device', 'RendezvousError', 'init_distributed', 'rank',
