@@ -8,7 +8,7 @@ Docs: https://dtnb-dev.github.io/dtnb/plan.memory.html.md"""
 from __future__ import annotations
 import math
 from dataclasses import dataclass, asdict, replace
-from ..core.utils import PRECISIONS, check_precision, shard_numel, fmt_bytes, md_table, text_table
+from ..core.utils import PRECISIONS, DEFAULT_PRECISION, check_precision, shard_numel, fmt_bytes, md_table, text_table
 from ..core.models import find_blocks
 from .activations import ActivationTrace, trace_activations
 from ..parallel.pipeline_split import split_model, chain_problem, trace_stages, pipeline_units
@@ -33,10 +33,10 @@ def _check_optimizer(optimizer):
         raise ValueError(f"optimizer={optimizer!r} is not one of {', '.join(map(repr, OPTIMIZERS))}")
     return v
 
-def optimizer_bytes(optimizer:str='adamw', precision:str='zero-mixed') -> int:
+def optimizer_bytes(optimizer:str='adamw', precision:str=DEFAULT_PRECISION) -> int:
     "Optimizer state bytes per parameter (ZeRO's K): fp32 master copy plus the optimizer's own states"
-    _, _, master, state, _, _ = PRECISIONS[check_precision(precision)]
-    return master + OPTIMIZERS[_check_optimizer(optimizer)] * state
+    p = PRECISIONS[check_precision(precision)]
+    return p.master + OPTIMIZERS[_check_optimizer(optimizer)] * p.optimizer_state
 
 # %% ../../nbs/04a_plan.memory.ipynb #031cde67
 @dataclass
@@ -214,12 +214,13 @@ def _activations(model, sizes, batch, loss_fn, shape, activations, precision, ch
             raise ValueError("batch= needs a model to trace; with a parameter count give shape=TransformerShape(...) "
                              "instead")
         return trace_activations(model, batch, loss_fn, precision, units).bytes(checkpoint), 'traced'
-    if shape is not None: return shape.activation_bytes(PRECISIONS[precision][4], checkpoint), 'formula'
+    if shape is not None: return shape.activation_bytes(PRECISIONS[precision].activations, checkpoint), 'formula'
     return None, 'not estimated'
 
 def _temporary(strategy, optimizer, precision, params, trainable, unit, opt_elems):
     "Approximate bytes of (communication, optimizer) buffers that live only during the step (see the list above)"
-    _, gb, _, sb, cb, _ = PRECISIONS[precision]
+    p = PRECISIONS[precision]
+    gb, sb, cb = p.grads, p.optimizer_state, p.activations
     comm = dict(single=0, ddp=trainable * gb, zero1=0, zero2=(params + (unit or 0)) * cb,
                 zero3=3 * (unit or 0) * cb, pipeline=0)[strategy]  # a pipeline sends activations, not model states
     return comm, (opt_elems * sb if OPTIMIZERS[optimizer] == 2 else 0)
@@ -250,7 +251,7 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
                     strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp'), or 'pipeline'
                     world_size:int=1, # devices (ranks) the model is trained on; a pipeline's stages
                     optimizer:str='adamw', # 'sgd', 'momentum', 'adam' or 'adamw'
-                    precision:str='fp32', # 'fp32', 'bf16-mixed' (autocast), 'zero-mixed' (ZeRO's), 'bf16-true'...
+                    precision:str=DEFAULT_PRECISION, # 'fp32', 'bf16-mixed' (autocast), 'zero-mixed' (ZeRO's), 'bf16-true'...
                     batch=None, # example batch per device, to trace the activations (needs a model)
                     loss_fn=None, # loss for the traced batch: `loss_fn(output, target)`
                     shape:TransformerShape|None=None, # transformer shapes, for the activation formula
@@ -275,7 +276,7 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
     if strategy == 'pipeline' and sizes: sizes = stage_sizes(model, world_size, rank, example)  # the stage's own
     trainable = sizes.trainable if sizes else psi
     p, g, o = _state_elements(sizes, psi, strategy, world_size, rank)
-    pb, gb = PRECISIONS[precision][:2]
+    pb, gb = PRECISIONS[precision].params, PRECISIONS[precision].grads
     adam_steps = sizes and OPTIMIZERS[optimizer] == 2  # torch's Adam: a 4-byte step per tensor it holds state for
     steps = 4 * _state_tensors(sizes, strategy, world_size, rank) if adam_steps else 0
     dev = dict(parameters=p * pb + (sizes.buffer_bytes if sizes else 0), gradients=g * gb,
@@ -402,7 +403,7 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
               report=None, # a `DeviceReport`; default: `detect()`
               world_size:int|None=None, # devices to plan for; default: the report's accelerators, else 1
               optimizer:str='adamw',
-              precision:str|None=None, # default: 'bf16-mixed' (or 'fp16-mixed') where the report recommends it
+              precision:str=DEFAULT_PRECISION, # the precision to train in (`precision_for(dtype)`: a device's fast one)
               loss_fn=None, # loss for the traced batch
               shape:TransformerShape|None=None, # transformer shapes, for the activation formula
               memory:int|float|None=None, # bytes per device, instead of the report's
@@ -419,8 +420,6 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
     else: device = 'given'
     if not memory:
         raise ValueError("The device memory is unknown (psutil missing?): pass memory= in bytes, e.g. memory=80e9")
-    fast = report.recommended['dtype'] if report is not None else None  # autocast where the device computes half fast
-    precision = precision or {'bf16': 'bf16-mixed', 'fp16': 'fp16-mixed'}.get(fast, 'fp32')
     kw = dict(optimizer=optimizer, precision=precision, shape=shape, units=units)
     if batch is not None: kw['activations'] = trace_activations(model, batch, loss_fn, precision, units)
     single = estimate_memory(model, 'single', 1, **kw)
@@ -450,7 +449,7 @@ def memory_explorer(model=7.5e9, # an `nn.Module`, a parameter count, or a `Tran
                     shape:TransformerShape|None=None, # transformer shapes: adds a micro-batch slider
                     batch=None, # example batch to trace (with a model)
                     loss_fn=None, world_size:int=8, strategy:str='ddp', optimizer:str='adamw',
-                    precision:str='zero-mixed'):
+                    precision:str=DEFAULT_PRECISION):
     "An ipywidgets explorer of `estimate_memory`: change world size, dtype, batch or strategy and the table follows"
     import ipywidgets as W
     if isinstance(model, TransformerShape): model, shape = model.params(), shape or model

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math, json, html, importlib
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
-from ..core.utils import fmt_bytes
+from ..core.utils import fmt_bytes, precision_for
 
 # %% auto #0
 __all__ = ['GAIN', 'Section', 'fig_ref', 'fold', 'Summary', 'summarize', 'html_page', 'Report', 'write_report']
@@ -159,8 +159,6 @@ def _number_format(bench, missing):
     return order[0], f"{order[0]} is the fastest matmul measured ({measured} {unit})"
 
 # %% ../../nbs/08_reporting.document.ipynb #90515642
-_PRECISION = {'bf16': 'bf16-mixed', 'fp16': 'fp16-mixed'}
-
 def _next_steps(strategy, n, bound, settings, fmt, data, missing) -> list:
     "(what, command or code) pairs: the first three that apply"
     training, steps = data.get('training') or {}, []
@@ -173,8 +171,8 @@ def _next_steps(strategy, n, bound, settings, fmt, data, missing) -> list:
                       f"dtnb launch -n {n} train.py"))
     if bound and settings: steps.append(("feed the model faster", _loader_code(settings, strategy)))
     if 'loader' in missing: steps.append(("check whether input is the bottleneck", "dtnb report --sections loader"))
-    if fmt in _PRECISION:
-        steps.append((f"train in {fmt}", f"fit(model, loader, optimizer, precision='{_PRECISION[fmt]}')"))
+    if fmt in ('bf16', 'fp16'):  # a half type measured fastest: autocast to it
+        steps.append((f"train in {fmt}", f"fit(model, loader, optimizer, precision='{precision_for(fmt)}')"))
     if 'bench' in missing: steps.append(("measure the number formats", "dtnb bench --only matmul"))
     if training.get('batchnorm') and strategy not in ('single', 'none', None):
         steps.append(("same BatchNorm statistics on all ranks", "nn.SyncBatchNorm.convert_sync_batchnorm(model)"))
