@@ -20,7 +20,7 @@ def _model(d, depth):
 
 def _bench(root, d, depth, repeats):
     from dtnb.launcher.processes import rank, barrier
-    from dtnb.parallel.ddp import wrap
+    from dtnb.parallel.wrap import wrap
     import torch.distributed.checkpoint as dcp
     from dtnb.train.checkpoint import save_checkpoint, checkpoint_path, _crc, state_dicts
     from dtnb.train.checkpoint_load import load_checkpoint

@@ -71,7 +71,7 @@ def _plan(args):
     if args.strategy:
         r = estimate_memory(model, args.strategy, args.world_size or 1, args.optimizer, args.precision,
                             shape=shape,
-                            checkpoint=args.checkpoint, offload=args.offload)
+                            activation_checkpointing=args.activation_checkpointing, offload=args.offload)
     else:
         r = recommend(model, shape=shape, world_size=args.world_size, optimizer=args.optimizer,
                       precision=args.precision,
@@ -94,7 +94,8 @@ def _predict(args, model):
     if not hasattr(model, 'seq_len'):
         if not args.seq_len: raise ValueError("--predict with --params needs --seq-len (tokens per sample)")
         batch = args.batch * args.seq_len
-    force = args.strategy and args.strategy + ' + checkpointing' * args.checkpoint + ' + offload' * args.offload
+    force = args.strategy and (args.strategy + ' + activation checkpointing' * args.activation_checkpointing
+                               + ' + offload' * args.offload)
     r = predict(model, batch, samples=args.samples, tokens=args.tokens, targets=args.gpus.split(','),
                 prices=args.prices, efficiency=args.efficiency, optimizer=args.optimizer, strategy=force or None)
     if args.plot:
@@ -125,7 +126,8 @@ def _add_plan(sub):
     p.add_argument('--margin', type=float, default=0.1, help="fraction of device memory kept free")
     p.add_argument('--strategy', help="print the one estimate of this strategy instead of the plan: "
                                       "single, ddp, zero1, zero2, zero3, fsdp (with --predict: use it on every GPU)")
-    p.add_argument('--checkpoint', action='store_true', help="with --strategy: activation checkpointing")
+    p.add_argument('--activation-checkpointing', action='store_true',
+                   help="with --strategy: recompute each block's activations in the backward")
     p.add_argument('--offload', action='store_true', help="with --strategy: CPU offload")
     p.add_argument('--json', action='store_true', help="print as JSON")
     q = p.add_argument_group('prediction', "--predict: step time, wall time and cost on each GPU of --gpus")

@@ -11,7 +11,9 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages(dtnb.__path__, 'dtnb.') i
 def test_every_public_name_is_what_it_documents_after_every_submodule_is_imported():
     for m in MODULES: importlib.import_module(m)  # rebinds dtnb.<stage> and dtnb.<stage>.<room> to each module
     assert not set(SUBMODULES) & set(dtnb._API), "a stage package shares its name with a public function"
-    assert not {m.rsplit('.', 1)[1] for m in MODULES} & set(dtnb._API), "a module shares its name with a public function"
+    for m in MODULES:  # a room may be named for its one entry point (dtnb.parallel.wrap.wrap): it lives there
+        name = m.rsplit('.', 1)[1]
+        if name in dtnb._API: assert dtnb._module_of(name) == m, f"room {m} shares its name with dtnb.{name}"
     for name in dtnb._API:
         obj = getattr(dtnb, name)
         home = importlib.import_module(dtnb._module_of(name))

@@ -45,7 +45,8 @@ def test_sigkill_restart_resumes_bitwise(tmp_path):
 
 def _pipeline_run(schedule, steps, ckdir, out):
     "Train ToyModel as a 2-rank pipeline with fit (resuming from `ckdir`), export it; returns losses, start, per-rank state"
-    from dtnb.parallel.ddp import wrap, distributed_loader
+    from dtnb.parallel.ddp import distributed_loader
+    from dtnb.parallel.wrap import wrap
     from dtnb.core.models import ToyModel, toy_data
     from dtnb.train.loop import fit
     from dtnb.train.export import export_model
@@ -61,7 +62,7 @@ def _pipeline_run(schedule, steps, ckdir, out):
 
 def _pipeline_load(schedule, ckdir, out):
     "Load a pipeline checkpoint into another split of the model, then export it"
-    from dtnb.parallel.ddp import wrap
+    from dtnb.parallel.wrap import wrap
     from dtnb.core.models import ToyModel
     from dtnb.train.checkpoint_load import load_checkpoint
     from dtnb.train.export import export_model
@@ -120,7 +121,8 @@ def _bn_run(steps, ckdir):
     "Train the BatchNorm CNN under DDP twice, buffers broadcast from rank 0 (default) and kept per rank; every state"
     sys.path.insert(0, str(ROOT / 'tests'))
     from models_cnn import tiny_cnn, tiny_images
-    from dtnb.parallel.ddp import wrap, distributed_loader
+    from dtnb.parallel.ddp import distributed_loader
+    from dtnb.parallel.wrap import wrap
     from dtnb.train.loop import fit
     out = {}
     for bb in (True, False):

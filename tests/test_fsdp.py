@@ -6,7 +6,8 @@ import torch.nn.functional as F
 import torch.distributed.fsdp  # imported once here, so that forked ranks do not each pay for it
 from torch import nn
 from dtnb.launcher.processes import launch
-from dtnb.parallel.ddp import wrap, distributed_loader
+from dtnb.parallel.ddp import distributed_loader
+from dtnb.parallel.wrap import wrap
 from dtnb.parallel.fsdp import state_bytes, full_state_dict, check_optimizer, plan_fsdp
 from dtnb.core.models import ToyModel, Block, toy_data
 

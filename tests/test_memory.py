@@ -104,7 +104,7 @@ def test_gpt_layer_matches_korthikanti():
     tr = trace_activations(GPT(3, 64, 4), torch.randn(48, 2, 64), precision='zero-mixed')
     stats = 4 * 48 * 2 * 2
     assert tr.saved == shape.activation_bytes(2) + 3 * stats
-    assert tr.checkpointed == shape.activation_bytes(2, checkpoint=True) + stats
+    assert tr.checkpointed == shape.activation_bytes(2, activation_checkpointing=True) + stats
 
 
 def test_checkpointed_trace_against_live_memory():
@@ -113,7 +113,7 @@ def test_checkpointed_trace_against_live_memory():
     torch.manual_seed(0)
     x = torch.randn(16, 2, 64)
     for ckpt in (False, True):
-        model = GPT(3, 64, 4, checkpoint=ckpt)
+        model = GPT(3, 64, 4, activation_checkpointing=ckpt)
         tr = trace_activations(model, x)
         mt = mem_tracker.MemTracker()
         mt.track_external(model)
@@ -143,7 +143,8 @@ def test_recommend_ladder():
     assert recommend(7.5e9, shape=gpt7, world_size=64, memory=80e9, precision='zero-mixed').label == 'zero1'
     big = replace(gpt7, batch=16)
     got = [recommend(7.5e9, shape=big, world_size=64, memory=m, precision='zero-mixed').label for m in (80e9, 40e9, 28e9, 24e9)]
-    assert got == ['zero1 + checkpointing', 'zero3 + checkpointing', 'zero3 + checkpointing + offload', 'nothing fits']
+    assert got == ['zero1 + activation checkpointing', 'zero3 + activation checkpointing',
+                   'zero3 + activation checkpointing + offload', 'nothing fits']
     small = recommend(ToyModel(), torch.randn(4, 16), world_size=4, memory=1e9)
     assert small.strategy == 'ddp' and small.reason.startswith('fits on one device') and 'DDP over 4 devices' in small.reason
 

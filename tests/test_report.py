@@ -60,7 +60,8 @@ def test_summary_follows_the_measurements(quick):
     one = runs['single']['samples_per_s']
     speedup = {k: r['samples_per_s'] / one for k, r in runs.items() if k != 'single'}
     plan = sec[PLAN]['data']['plan']
-    single = next(e for e in plan['estimates'] if e['strategy'] == 'single' and not e['checkpoint'] and not e['offload'])
+    single = next(e for e in plan['estimates']
+                  if e['strategy'] == 'single' and not e['activation_checkpointing'] and not e['offload'])
     why = ' '.join(s['why'])
     if single['total'] > plan['budget']: assert s['strategy'] == plan['strategy']
     elif max(speedup.values()) >= 1.05: assert s['strategy'] == max(speedup, key=speedup.get)

@@ -149,7 +149,7 @@ def scaling_rank(model_fn, batch, strategy:str='ddp', steps:int=10, warmup:int=3
     model = model_fn().to(device)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if n > 1:
-        from dtnb.parallel.ddp import wrap
+        from dtnb.parallel.wrap import wrap
         model = wrap(model, strategy)
     x, y = (None if t is None else t.to(device) for t in _split(batch))
     opt, loss_fn = torch.optim.SGD(model.parameters(), lr=1e-4), loss_fn or default_loss

@@ -167,7 +167,7 @@ def find_batch_size(model,                  # the nn.Module to train (not change
                     precision:str=DEFAULT_PRECISION,   # 'fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true'
                     loss_fn=None,           # loss_fn(output, target) with (x, y) samples; else the output is summed
                     memory=None,            # bytes per device (or '64MB'); default: accelerator, else RAM ÷ ranks
-                    checkpoint:bool=False,  # activation checkpointing of each block (estimate)
+                    activation_checkpointing:bool=False,  # activation checkpointing of each block (estimate)
                     units=None,             # the model's blocks (default: find_blocks)
                     max_batch:int=65536,    # largest batch considered
                     method:str|None=None,   # 'estimate', 'try'; default: try on an accelerator for one device
@@ -178,9 +178,9 @@ def find_batch_size(model,                  # the nn.Module to train (not change
         raise ValueError(f"max_batch={max_batch!r} must be a whole number >= 1")
     sample, (how, note) = _check_sample(sample), _method(method, s, world_size)
     est_kw = dict(strategy=s, world_size=world_size, optimizer=optimizer, precision=precision, loss_fn=loss_fn,
-                  checkpoint=checkpoint, units=units)
+                  activation_checkpointing=activation_checkpointing, units=units)
     setup = f"{s} on {world_size} device{'s' * (world_size > 1)}, {optimizer}, {precision}" + \
-            ', checkpointed' * checkpoint
+            ', checkpointed' * activation_checkpointing
     if memory is not None: budget, src = parse_size(memory), 'memory='
     elif how == 'try': budget, src = None, "the accelerator's memory, by running out of it"
     else:
@@ -194,7 +194,7 @@ def find_batch_size(model,                  # the nn.Module to train (not change
             states = estimate_memory(model, **{**est_kw, 'loss_fn': None}).model_states
             note = (f"nothing fits: one sample needs {fmt_bytes(total[1])} of {fmt_bytes(budget)} (model states "
                     f"alone take {fmt_bytes(states)}): shard them (strategy='zero3' on more devices), "
-                    "checkpoint=True, a lower precision, or see recommend(model)")
+                    "activation_checkpointing=True, a lower precision, or see recommend(model)")
         return BatchSize(best, 'estimate', budget, src, total.get(best), nxt, total.get(nxt), checks, setup, note)
     best, nxt, checks, peak = _try_path(model, sample, optimizer, precision, loss_fn, budget, max_batch, best)
     return BatchSize(best, 'tried', budget, src, peak.get(best), nxt, peak.get(nxt), checks, setup, note)

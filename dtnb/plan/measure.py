@@ -13,7 +13,8 @@ import torch.distributed as dist
 from ..core.utils import tensors, to_device, autocast, synchronize, md_table, text_table, cast_inputs
 from ..core.utils import DEFAULT_PRECISION
 from ..launcher.processes import launch, current_device
-from ..parallel.ddp import wrap, make_optimizer
+from ..parallel.ddp import make_optimizer
+from ..parallel.wrap import wrap
 from .activations import SavedCounter, forward_batch, trace_activations
 from .memory import check_setup, estimate_memory
 from ..parallel.pipeline import apply_pipeline, _batch

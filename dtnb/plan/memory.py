@@ -59,12 +59,13 @@ class TransformerShape:
         s, b, h, a = self.seq_len, self.batch, self.hidden, self.heads
         return s * b * h * (16 * elem + 2) + a * s * s * b * (2 * elem + 1)
 
-    def activation_bytes(self, elem:int=2, checkpoint:bool=False) -> int:
-        "Bytes saved for backward by the whole model per device; `checkpoint` keeps only each layer's input"
+    def activation_bytes(self, elem:int=2, activation_checkpointing:bool=False) -> int:
+        "Bytes saved for backward by the whole model per device; `activation_checkpointing` keeps each layer's input"
         s, b, h = self.seq_len, self.batch, self.hidden
         layer = self.layer_activation_bytes(elem)
         # checkpointed: every layer's input, plus one layer recomputed in the backward (its input is already kept)
-        body = self.layers * elem * s * b * h + layer - elem * s * b * h if checkpoint else self.layers * layer
+        ac = activation_checkpointing
+        body = self.layers * elem * s * b * h + layer - elem * s * b * h if ac else self.layers * layer
         return body + 4 * s * b * self.vocab
 
 # %% ../../nbs/04a_plan.memory.ipynb #30c68950
@@ -128,7 +129,7 @@ class MemoryEstimate:
     activations: int|None        # None: not estimated (no batch, shape or activations given)
     temporary: int
     offloaded: int = 0           # bytes per rank moved to host memory by CPU offload
-    checkpoint: bool = False
+    activation_checkpointing: bool = False
     offload: bool = False
     activation_source: str = ''  # 'traced', 'formula', 'given' or 'not estimated'
     rank: int = 0
@@ -140,7 +141,8 @@ class MemoryEstimate:
     def total(self) -> int: return self.model_states + (self.activations or 0) + self.temporary
     @property
     def label(self) -> str:
-        return self.strategy + ' + checkpointing' * self.checkpoint + ' + offload' * self.offload
+        ac = ' + activation checkpointing' * self.activation_checkpointing
+        return self.strategy + ac + ' + offload' * self.offload
     @property
     def unknown(self) -> list:
         "What the total leaves out: activations not estimated, gathered units not known"
@@ -165,7 +167,7 @@ class MemoryEstimate:
                 ('gradients', self.gradients, sh('gradients') + off('gradients')),
                 ('optimizer states', self.optimizer_states, sh('optimizer') + off('optimizer')),
                 ('model states', self.model_states, ''),
-                ('activations', self.activations, act + ', checkpointed' * self.checkpoint),
+                ('activations', self.activations, act + ', checkpointed' * self.activation_checkpointing),
                 ('temporary buffers', self.temporary, tmp),
                 ('total', self.total, 'per device' + (f"; at least: {' and '.join(self.unknown)} not counted"
                                                       if self.unknown else '')),
@@ -205,16 +207,17 @@ def check_setup(strategy, world_size:int, optimizer:str, precision:str, offload:
     return s, _check_optimizer(optimizer), check_precision(precision)
 
 # %% ../../nbs/04a_plan.memory.ipynb #1e793cbe
-def _activations(model, sizes, batch, loss_fn, shape, activations, precision, checkpoint, units):
+def _activations(model, sizes, batch, loss_fn, shape, activations, precision, activation_checkpointing, units):
     "(bytes, source) of the activations from whatever was given"
-    if isinstance(activations, ActivationTrace): return activations.bytes(checkpoint), 'traced'
+    if isinstance(activations, ActivationTrace): return activations.bytes(activation_checkpointing), 'traced'
     if activations is not None: return int(activations), 'given'
     if batch is not None:
         if sizes is None:
             raise ValueError("batch= needs a model to trace; with a parameter count give shape=TransformerShape(...) "
                              "instead")
-        return trace_activations(model, batch, loss_fn, precision, units).bytes(checkpoint), 'traced'
-    if shape is not None: return shape.activation_bytes(PRECISIONS[precision].activations, checkpoint), 'formula'
+        return trace_activations(model, batch, loss_fn, precision, units).bytes(activation_checkpointing), 'traced'
+    if shape is not None:
+        return shape.activation_bytes(PRECISIONS[precision].activations, activation_checkpointing), 'formula'
     return None, 'not estimated'
 
 def _temporary(strategy, optimizer, precision, params, trainable, unit, opt_elems):
@@ -251,11 +254,11 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
                     strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp'), or 'pipeline'
                     world_size:int=1, # devices (ranks) the model is trained on; a pipeline's stages
                     optimizer:str='adamw', # 'sgd', 'momentum', 'adam' or 'adamw'
-                    precision:str=DEFAULT_PRECISION, # 'fp32', 'bf16-mixed' (autocast), 'zero-mixed' (ZeRO's), 'bf16-true'...
+                    precision:str=DEFAULT_PRECISION, # 'fp32', 'bf16-mixed' (autocast), 'zero-mixed' (ZeRO's)...
                     batch=None, # example batch per device, to trace the activations (needs a model)
                     loss_fn=None, # loss for the traced batch: `loss_fn(output, target)`
                     shape:TransformerShape|None=None, # transformer shapes, for the activation formula
-                    checkpoint:bool=False, # activation checkpointing of each unit (layer)
+                    activation_checkpointing:bool=False, # activation checkpointing of each unit (layer)
                     offload:bool=False, # move the sharded model states to CPU memory
                     activations=None, # bytes, or an `ActivationTrace`, instead of tracing
                     units=None, # module classes (or names) that are the model's units (default: `find_blocks`)
@@ -285,15 +288,16 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
     comm, opt_tmp = _temporary(strategy, optimizer, precision, psi, trainable, unit, o)
     host = sum(dev[c] for c in SHARDS[strategy]) + opt_tmp if offload else 0
     if offload: dev |= {c: 0 for c in SHARDS[strategy]}
-    acts, src = _activations(model, sizes, batch, loss_fn, shape, activations, precision, checkpoint, units)
+    acts, src = _activations(model, sizes, batch, loss_fn, shape, activations, precision, activation_checkpointing,
+                             units)
     tmp = comm + (0 if offload else opt_tmp)
     return MemoryEstimate(strategy, world_size, optimizer, precision, psi, dev['parameters'], dev['gradients'],
-                          dev['optimizer'], acts, tmp, host, checkpoint, offload, src, rank, unit)
+                          dev['optimizer'], acts, tmp, host, activation_checkpointing, offload, src, rank, unit)
 
 # %% ../../nbs/04a_plan.memory.ipynb #57e94ad1
-def _ladder(ws, checkpoint=True):
-    "(strategy, checkpoint, offload) options in the order `recommend` tries them; `checkpoint`: try checkpointing"
-    cks = (False, True) if checkpoint else (False,)
+def _ladder(ws, activation_checkpointing=True):
+    "(strategy, activation checkpointing, offload) in the order `recommend` tries them; `activation_checkpointing`: try"
+    cks = (False, True) if activation_checkpointing else (False,)
     offload = [('zero3', c, True) for c in cks]
     if ws == 1: return [('single', c, False) for c in cks] + offload
     return [(s, c, False) for c in cks for s in ('ddp', 'zero1', 'zero2', 'zero3')] + offload
@@ -315,7 +319,7 @@ def _device_memory(report, world_size):
 class MemoryPlan:
     "The strategy that fits, why, and the estimates that led there"
     strategy: str|None  # 'single', 'ddp', 'zero1', 'zero2', 'zero3', 'pipeline', or None when nothing fits
-    checkpoint: bool    # with activation checkpointing
+    activation_checkpointing: bool    # with activation checkpointing
     offload: bool       # with CPU offload
     reason: str
     memory: int         # device memory per rank, bytes
@@ -332,7 +336,7 @@ class MemoryPlan:
         "What `wrap(model, **plan.wrap_kwargs)` needs to apply the plan (None when nothing fits)"
         if self.strategy is None: return None
         kw = dict(strategy=self.strategy)
-        if self.checkpoint: kw['checkpoint'] = True
+        if self.activation_checkpointing: kw['activation_checkpointing'] = True
         if self.offload: kw['offload'] = True
         return kw
     @property
@@ -371,7 +375,8 @@ class MemoryPlan:
         run = f"\nrun it: {self.code.splitlines()[0]}" if self.strategy else ''
         return f"{self.label}: {self.reason}\n{self.assumptions()}{run}"
     def to_dict(self):
-        return dict(strategy=self.strategy, checkpoint=self.checkpoint, offload=self.offload, reason=self.reason,
+        return dict(strategy=self.strategy, activation_checkpointing=self.activation_checkpointing,
+                    offload=self.offload, reason=self.reason,
                     memory=self.memory, budget=self.budget, device=self.device, chosen=self.chosen,
                     margin=self.margin, wrap_kwargs=self.wrap_kwargs, assumptions=self.assumptions(), code=self.code,
                     estimates=[e.to_dict() for e in self.estimates])
@@ -424,19 +429,19 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
     if batch is not None: kw['activations'] = trace_activations(model, batch, loss_fn, precision, units)
     single = estimate_memory(model, 'single', 1, **kw)
     acts = single.activations is not None  # without activations, checkpointing changes nothing the table shows
-    opts = [estimate_memory(model, s, ws, checkpoint=c, offload=o, **kw) for s, c, o in _ladder(ws, acts)]
+    opts = [estimate_memory(model, s, ws, activation_checkpointing=c, offload=o, **kw) for s, c, o in _ladder(ws, acts)]
     if isinstance(model, TransformerShape): shape = shape or model
     layers = shape.layers if shape else (len(find_blocks(model, units)) if hasattr(model, 'parameters') else 0)
     stages = min(ws, layers or ws)  # no more stages than layers
     if hasattr(model, 'parameters'): stages = min(stages, len(pipeline_units(model)))  # nor than places to cut
     if stages > 1:
         opts.append(_pipeline(model, stages, **kw))
-        if acts: opts.append(_pipeline(model, stages, checkpoint=True, **kw))
+        if acts: opts.append(_pipeline(model, stages, activation_checkpointing=True, **kw))
     budget = int(memory * (1 - margin))
     chosen = next((i for i, e in enumerate(opts) if e.total <= budget), None)
     ests = ([single] if ws > 1 else []) + opts
     e = None if chosen is None else opts[chosen]
-    return MemoryPlan(None if e is None else e.strategy, bool(e and e.checkpoint), bool(e and e.offload),
+    return MemoryPlan(None if e is None else e.strategy, bool(e and e.activation_checkpointing), bool(e and e.offload),
                       _reason(opts, single, chosen, budget, ws), int(memory), budget, device, ests,
                       None if chosen is None else chosen + (ws > 1), margin)
 
@@ -454,14 +459,14 @@ def memory_explorer(model=7.5e9, # an `nn.Module`, a parameter count, or a `Tran
     import ipywidgets as W
     if isinstance(model, TransformerShape): model, shape = model.params(), shape or model
     traces = {}
-    def update(world_size, strategy, precision, optimizer, micro_batch, checkpoint, offload):
+    def update(world_size, strategy, precision, optimizer, micro_batch, activation_checkpointing, offload):
         acts = None
         if batch is not None:
             if precision not in traces: traces[precision] = trace_activations(model, batch, loss_fn, precision)
             acts = traces[precision]
         shp = replace(shape, batch=micro_batch) if shape is not None else None
         try: return estimate_memory(model, strategy, world_size, optimizer, precision, shape=shp, activations=acts,
-                                    checkpoint=checkpoint, offload=offload)
+                                    activation_checkpointing=activation_checkpointing, offload=offload)
         except ValueError as e: return _Message(str(e))
     sizes = sorted(set([2 ** i for i in range(13)] + [world_size]))
     mb = (W.IntSlider(value=shape.batch, min=1, max=max(64, shape.batch), description='micro-batch') if shape
@@ -471,5 +476,5 @@ def memory_explorer(model=7.5e9, # an `nn.Module`, a parameter count, or a `Tran
         strategy=W.Dropdown(options=list(SHARDS), value=ALIASES.get(strategy, strategy)),
         precision=W.Dropdown(options=list(PRECISIONS), value=precision),
         optimizer=W.Dropdown(options=list(OPTIMIZERS), value=optimizer), micro_batch=mb,
-        checkpoint=W.Checkbox(value=False, description='checkpointing'),
+        activation_checkpointing=W.Checkbox(value=False, description='activation checkpointing'),
         offload=W.Checkbox(value=False, description='CPU offload'))

@@ -55,7 +55,7 @@ def _speedups(training) -> dict:
 def _fits_one(plan) -> bool:
     "Whether the planner found that the model fits on one device"
     single = next(e for e in plan['estimates']
-                  if e['strategy'] == 'single' and not e['checkpoint'] and not e['offload'])
+                  if e['strategy'] == 'single' and not e['activation_checkpointing'] and not e['offload'])
     return single['total'] <= plan['budget']
 
 def _busbw(bench, nbytes):

@@ -10,7 +10,8 @@ import argparse, json, os, signal
 import torch
 from torch import nn
 from dtnb.launcher.processes import init_distributed, shutdown, rank, is_main, world_size
-from dtnb.parallel.ddp import wrap, distributed_loader
+from dtnb.parallel.ddp import distributed_loader
+from dtnb.parallel.wrap import wrap
 from dtnb.core.models import ToyModel, toy_data
 from dtnb.train.loop import fit
 from dtnb.train.export import export_model
