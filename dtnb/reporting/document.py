@@ -12,7 +12,7 @@ from pathlib import Path
 from ..core.utils import fmt_bytes, precision_for
 
 # %% auto #0
-__all__ = ['GAIN', 'Section', 'fig_ref', 'fold', 'Summary', 'summarize', 'html_page', 'Report', 'write_report']
+__all__ = ['GAIN', 'Section', 'fig_ref', 'fold', 'Summary', 'summarize_sections', 'html_page', 'Report', 'write_report']
 
 # %% ../../nbs/08_reporting.document.ipynb #ca213e85
 @dataclass
@@ -210,9 +210,9 @@ class Summary:
         out += [f"{k}: {v}" for k, v in self._lines()] + ['Next steps:']
         return '\n'.join(out + [f"  {i}. {w}: {c}" for i, (w, c) in enumerate(self.next_steps, 1)])
 
-def summarize(data:dict,             # section name -> its data dict ('env', 'plan', 'training', 'loader', 'bench')
-              errors:dict|None=None  # section name -> error message, for sections that failed
-             ) -> Summary:
+def summarize_sections(data:dict,  # section name -> its data dict ('env', 'plan', 'training', 'loader', 'bench')
+                       errors:dict|None=None,  # section name -> error message, for sections that failed
+                      ) -> Summary:
     "What to do, consistent with what the sections measured; missing sections are said to be missing"
     errors = errors or {}
     missing = {k: (f"failed ({errors[k]})" if k in errors else 'not run')
@@ -261,7 +261,7 @@ class Report:
 
     def __post_init__(self):
         ok = {s.name: s.data for s in self.sections if s.error is None}
-        self.summary = summarize(ok, {s.name: s.error for s in self.sections if s.error})
+        self.summary = summarize_sections(ok, {s.name: s.error for s in self.sections if s.error})
     @property
     def ok(self): return all(s.error is None for s in self.sections)
     def to_dict(self):
