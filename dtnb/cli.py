@@ -48,7 +48,7 @@ def _launch(args):
 
 # %% ../nbs/10_cli.ipynb #bff61306
 def _report(args):
-    from dtnb import report
+    from dtnb.reporting.sections import report
     rep = report(out=args.out, quick=args.quick, model=args.model, input_shape=args.input_shape, batch=args.batch,
                  dataset=args.dataset, sections=args.sections)
     print(rep)

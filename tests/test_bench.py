@@ -106,7 +106,7 @@ def test_bench_collectives_on_two_ranks():
 
 def _corrupt(*args):
     from dtnb.bench import collectives
-    from dtnb.launcher.processes import rank
+    from dtnb.core.dist import rank
     if rank() == 1: collectives._pattern = lambda r, pos: 2 + r + pos % 7   # rank 1 sends data off by one
     return collectives.collective_rank(*args)
 

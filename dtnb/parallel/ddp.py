@@ -10,8 +10,7 @@ import warnings
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from ..launcher.processes import rank as _rank, world_size, current_device
-from ..core.utils import require_group
+from ..core.dist import rank as _rank, world_size, current_device, require_group
 
 # %% auto #0
 __all__ = ['SYNC_BATCHNORM_DEVICES', 'DistributedLoader', 'distributed_loader', 'batchnorm_layers', 'prepare_batchnorm',

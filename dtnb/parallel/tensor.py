@@ -10,8 +10,8 @@ import fnmatch
 from dataclasses import dataclass, asdict
 import torch
 from torch import nn
-from ..core.utils import md_table, text_table, require_group
-from ..launcher.processes import current_device, world_size
+from ..core.utils import md_table, text_table
+from ..core.dist import require_group, current_device, world_size
 from .wrap import wrap
 from ..core.models import find_blocks
 from .pipeline import Pipeline, pipeline_stages

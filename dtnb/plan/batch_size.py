@@ -13,7 +13,7 @@ from ..core.utils import tree_map_tensors, tensors, autocast, synchronize, parse
 from ..core.utils import accelerators, cast_inputs, DEFAULT_PRECISION
 from ..detection.device import detect
 from .activations import forward_batch
-from .memory import check_setup, estimate_memory, _device_memory
+from .memory import check_setup, estimate_memory, device_memory
 
 # %% auto #0
 __all__ = ['batch_of', 'BatchSize', 'find_batch_size']
@@ -105,14 +105,14 @@ def _estimate_path(model, sample, est_kw, budget, max_batch):
 # %% ../../nbs/04d_plan.batch_size.ipynb #7c4bc543
 def _step_bytes(model, opt, sample, n, dev, precision, loss_fn):
     "Peak bytes allocated by one training step on a batch of `n` on `dev`, or None when it ran out of memory"
-    from dtnb.plan.measure import _loss
+    from dtnb.plan.measure import loss_of
     acc, batch, loss = torch.accelerator, None, None
     try:
         batch = batch_of(sample, n, dev)
         if precision == 'bf16-true':
             batch = cast_inputs(batch, torch.bfloat16)  # as fit feeds a bf16 model: targets keep their dtype
         synchronize(dev); acc.reset_peak_memory_stats()
-        with autocast(dev, precision): loss = _loss(forward_batch(model, batch, loss_fn))
+        with autocast(dev, precision): loss = loss_of(forward_batch(model, batch, loss_fn))
         loss.backward(); opt.step()
         synchronize(dev)
         return acc.max_memory_allocated()
@@ -127,12 +127,12 @@ def _step_bytes(model, opt, sample, n, dev, precision, loss_fn):
 
 def _try_path(model, sample, optimizer, precision, loss_fn, budget, max_batch, guess):
     "(largest batch, first not fitting, checks, bytes) from real steps on this process's accelerator"
-    from dtnb.plan.measure import _make_optimizer
-    from dtnb.launcher.processes import current_device
+    from dtnb.plan.measure import named_optimizer
+    from dtnb.core.dist import current_device
     dev = current_device()
     m = copy.deepcopy(model).to(dev)
     if precision == 'bf16-true': m = m.to(torch.bfloat16)
-    opt, checks, peak = _make_optimizer(m, optimizer, 1e-6), [], {}
+    opt, checks, peak = named_optimizer(m, optimizer, 1e-6), [], {}
     def fits(n):
         peak[n] = _step_bytes(m, opt, sample, n, dev, precision, loss_fn)
         ok = peak[n] is not None and (budget is None or peak[n] <= budget)
@@ -184,9 +184,9 @@ def find_batch_size(model,                  # the nn.Module to train (not change
     if memory is not None: budget, src = parse_size(memory), 'memory='
     elif how == 'try': budget, src = None, "the accelerator's memory, by running out of it"
     else:
-        budget, src = _device_memory(detect(), world_size)
+        budget, src = device_memory(detect(), world_size)
         if budget is None: raise ValueError("Cannot tell this machine's memory: pass memory= (bytes or '16GB')")
-    guess_budget = budget or _device_memory(detect(), 1)[0]  # trying starts from the estimate's guess
+    guess_budget = budget or device_memory(detect(), 1)[0]  # trying starts from the estimate's guess
     best, nxt, checks, total = _estimate_path(model, sample, est_kw, guess_budget, max_batch) if guess_budget else \
         (None, None, [], {})
     if how == 'estimate':

@@ -15,8 +15,8 @@ from ..parallel.pipeline_split import split_model, chain_problem, trace_stages, 
 
 # %% auto #0
 __all__ = ['OPTIMIZERS', 'ALIASES', 'SHARDS', 'optimizer_bytes', 'TransformerShape', 'ModelSizes', 'model_sizes',
-           'MemoryEstimate', 'check_setup', 'stage_sizes', 'estimate_memory', 'MemoryPlan', 'recommend',
-           'memory_explorer']
+           'MemoryEstimate', 'check_setup', 'stage_sizes', 'estimate_memory', 'device_memory', 'MemoryPlan',
+           'recommend', 'memory_explorer']
 
 # %% ../../nbs/04a_plan.memory.ipynb #33173573
 OPTIMIZERS = {'sgd': 0, 'momentum': 1, 'adam': 2, 'adamw': 2}  # optimizer state tensors per parameter
@@ -307,7 +307,7 @@ def _pipeline(model, stages:int, **kw) -> MemoryEstimate:
     ranks = range(stages) if hasattr(model, 'parameters') else [0]  # a count or a shape: 1/stages on each
     return max((estimate_memory(model, 'pipeline', stages, rank=r, **kw) for r in ranks), key=lambda e: e.total)
 
-def _device_memory(report, world_size):
+def device_memory(report, world_size):
     "(bytes per rank, device name) from a DeviceReport: the first accelerator, else the RAM shared by the ranks"
     if report.accelerators: d = report.accelerators[0]; return d.total_memory, d.name
     cpu = report.devices[0]
@@ -421,7 +421,7 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
         from dtnb.detection.device import detect
         report = detect()
     ws = world_size or (len(report.accelerators) or 1)
-    if memory is None: memory, device = _device_memory(report, ws)
+    if memory is None: memory, device = device_memory(report, ws)
     else: device = 'given'
     if not memory:
         raise ValueError("The device memory is unknown (psutil missing?): pass memory= in bytes, e.g. memory=80e9")

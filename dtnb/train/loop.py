@@ -10,7 +10,7 @@ import os, time, warnings
 from dataclasses import dataclass, field, asdict
 import torch
 from torch import nn
-from ..launcher.processes import world_size, is_main, current_device
+from ..core.dist import world_size, is_main, current_device
 from ..core.utils import md_table, text_table, to_device, StepProgress, DEFAULT_PRECISION
 from .batches import cast_batch, forward_loss, count_samples, check_loader, check_fp16, as_metrics, evaluate
 from .batches import pipeline_args, check_pipeline_validation, fit_precision, micro_step, optimizer_step

@@ -9,7 +9,8 @@ complete checkpoint. The main rank writes the final parameters to `--out` and pr
 import argparse, json, os, signal
 import torch
 from torch import nn
-from dtnb.launcher.processes import init_distributed, shutdown, rank, is_main, world_size
+from dtnb.launcher.processes import init_distributed, shutdown
+from dtnb.core.dist import rank, is_main, world_size
 from dtnb.parallel.ddp import distributed_loader
 from dtnb.parallel.wrap import wrap
 from dtnb.core.models import ToyModel, toy_data
