@@ -6,7 +6,8 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 from dtnb.data.loaders import SyntheticDataset, SyntheticIterable, SampleError, cores_free, profile_loader
 from dtnb.data.steps import input_bound, RankStepProfiles, StepProfile
-from dtnb.data.tune import loader_trial, tune_loader, worker_limits, measure_sample_cost, loader_report
+from dtnb.data.tune import tune_loader, loader_report
+from dtnb.data.trials import loader_trial, worker_limits, measure_sample_cost
 from dtnb.launcher.processes import launch
 
 pytestmark = pytest.mark.usefixtures('cpu_ranks')

@@ -5,7 +5,8 @@ from dataclasses import replace
 import pytest
 import torch, torch.nn as nn, torch.nn.functional as F
 from dtnb.plan.activations import trace_activations
-from dtnb.plan.memory import estimate_memory, recommend, memory_explorer, TransformerShape, optimizer_bytes
+from dtnb.plan.memory import estimate_memory, TransformerShape, optimizer_bytes
+from dtnb.plan.recommend import recommend, memory_explorer
 from dtnb.plan.measure import measure_memory
 from dtnb.core.models import ToyModel, GPT, find_blocks
 

@@ -11,7 +11,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from dtnb.launcher.processes import launch
 from dtnb.parallel.ddp import make_optimizer, distributed_loader
 from dtnb.parallel.wrap import wrap
-from dtnb.plan.memory import estimate_memory, recommend
+from dtnb.plan.memory import estimate_memory
+from dtnb.plan.recommend import recommend
 from dtnb.plan.measure import _measure_step
 from dtnb.core.models import ToyModel, toy_data
 
