@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from ..core.utils import fmt_bytes
 from ..detection.device import usable_cores
 from ..detection.env import parse_launch_env
-from .loaders import (guard, batch_stats, empty_loader_error, sample_error, stop_workers, fmt_settings, plural,
-                               HAS_IN_ORDER)
+from .loaders import (guard, batch_stats, empty_loader_error, sample_error, stop_workers, fmt_settings,
+                               plural)
 
 # %% auto #0
 __all__ = ['SEARCHED', 'TRIAL_COLUMNS', 'SampleCost', 'measure_sample_cost', 'check_local_ranks', 'worker_limits', 'LoaderTrial',

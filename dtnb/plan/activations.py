@@ -123,7 +123,7 @@ def _prepare(model, batch, precision, fake):
 def trace_activations(model, # an `nn.Module`; it is not changed, and nothing of its size is allocated
                       batch, # an example batch per device: tensor, tuple (last item the target with `loss_fn`) or dict
                       loss_fn=None, # `loss_fn(output, target)`; without it the output is the end of the graph
-                      precision:str='fp32', # a name in `dtnb.core.utils.PRECISIONS`: 'fp32', 'bf16-mixed', 'bf16-true', ...
+                      precision:str='fp32', # a name in `PRECISIONS`: 'fp32', 'bf16-mixed', 'bf16-true', ...
                       units=None, # module classes (or names) to recompute; default: `find_blocks(model)`
                       fake:bool=True, # trace under FakeTensorMode (no memory); False runs the real forward
                      ) -> ActivationTrace:

@@ -8,6 +8,7 @@ Docs: https://dtnb-dev.github.io/dtnb/plan.recommend.html.md"""
 from __future__ import annotations
 from dataclasses import dataclass, replace
 from ..core.utils import PRECISIONS, fmt_bytes, md_table, text_table
+from ..core.models import find_blocks
 from .activations import trace_activations
 from ..parallel.pipeline_split import pipeline_units
 from .memory import OPTIMIZERS, ALIASES, SHARDS, TransformerShape, MemoryEstimate, estimate_memory
