@@ -51,7 +51,7 @@ def kernel_children(km):
 SETUP = '''
 import torch, torch.distributed as dist, time
 from dtnb.launcher.processes import launch, LaunchError
-from dtnb.core.dist import rank, world_size, current_device
+from dtnb.core.dist import rank, world_size
 def train(k):
     t = torch.full((2,), float(rank() + 1)); dist.all_reduce(t)
     print(f"rank {rank()} of {world_size()} sees {t.tolist()}")
@@ -184,6 +184,7 @@ def test_launch_in_process_leaves_nothing():
 # accelerator torch was built for, how many devices it counts) are a stand-in, for a node with `n` CUDA GPUs.
 import torch
 from dtnb.launcher.processes import launch, init_distributed, shutdown, free_port
+from dtnb.core.dist import current_device
 from dtnb.core.utils import placement
 
 
