@@ -131,3 +131,23 @@ def test_cuda_cells_of_every_notebook_are_found():
     for p in cuda_cells.notebooks_with_gpu_cells():
         cells = cuda_cells._cells(p)
         assert set(cuda_cells.gpu_cells(cells)) <= set(cuda_cells.plan(cells)), p.name
+
+
+def _notebook(path, sources):
+    cells = [dict(cell_type='code', source=s, metadata={}, outputs=[], execution_count=None, id=f'c{i}')
+             for i, s in enumerate(sources)]
+    path.write_text(json.dumps(dict(cells=cells, metadata={}, nbformat=4, nbformat_minor=5)))
+    return path
+
+
+def test_cuda_cells_dry_run_finds_a_name_the_slice_leaves_undefined(tmp_path, capfd):
+    "On a CPU the GPU cells do not run, yet a slice that would leave one of their names undefined fails"
+    out = tmp_path / 'cells.json'
+    bad = _notebook(tmp_path / 'bad.ipynb', ['x = 1', '#| slow\ny = 2', "#| cuda\nprint(x + y)"])
+    assert cuda_cells.main(['--dry-run', '--out', str(out), str(bad)]) == 1
+    assert "its GPU cells read ['y'], which the slice leaves undefined" in capfd.readouterr().err
+    assert json.loads(out.read_text())[0]['passed'] is False
+    good = _notebook(tmp_path / 'good.ipynb', ['x = 1', 'unused = 3', 'y = 2', "#| cuda\nprint(x + y)"])
+    assert cuda_cells.main(['--dry-run', '--out', str(out), str(good)]) == 0
+    res = json.loads(out.read_text())[0]
+    assert res['passed'] and res['ran'] == 2 and res['gpu_cells'] == 1 and not res['gpu_cells_ran']

@@ -11,8 +11,8 @@ reaches the next).
     python tools/cuda_cells.py [--multi] [--dry-run] [--out FILE.json] [NOTEBOOK ...]   default: every notebook
                                                                                        with a GPU cell
 
---dry-run runs the same slices with the GPU cells left out (a CPU machine: their supporting cells must run, and the
-GPU cells must compile), the notebooks pinned to the CPU under the one-GPU stand-in of tests/standin, in two
+--dry-run runs the same slices with the GPU cells left out (a CPU machine: their supporting cells must run, the GPU
+cells must compile, and every name they read must be defined after the slice ran), the notebooks pinned to the CPU under the one-GPU stand-in of tests/standin, in two
 processes (pinned, others), so CI proves the slices are complete. Exit 1 when a notebook failed.
 """
 import argparse, ast, builtins, json, os, subprocess, sys, time
@@ -109,14 +109,17 @@ def run_one(path, multi, dry):
     nb = NBProcessor(path, rm_directives=False, process=True).nb
     assert len(nb.cells) == len(cells), f"{path}: nbdev's processing changed the number of cells"
     for i, c in enumerate(nb.cells): c['_gpu_check_index'] = i
-    before = os.environ.get('DTNB_DEVICE')
+    before, shell = os.environ.get('DTNB_DEVICE'), CaptureShell(path)
     try:
         with working_directory(Path(path).parent):
-            CaptureShell(path).run_all(nb, exc_stop=True, preproc=lambda c: c['_gpu_check_index'] not in run,
-                                       cell_timeout=None)
+            shell.run_all(nb, exc_stop=True, preproc=lambda c: c['_gpu_check_index'] not in run, cell_timeout=None)
     finally:  # a notebook's pin stays with it
         if before is None: os.environ.pop('DTNB_DEVICE', None)
         else: os.environ['DTNB_DEVICE'] = before
+    if dry:  # the slice is complete: every name a GPU cell reads is defined once its supporting cells have run
+        given = {n for i in gpu for n in names(cells[i]['source'])[0]}  # by another GPU cell, when they run
+        missing = sorted({n for i in gpu for n in names(cells[i]['source'])[1]} - set(shell.user_ns) - given)
+        if missing: raise NameError(f"{Path(path).name}: its GPU cells read {missing}, which the slice leaves undefined")
     print(f"{Path(path).name}: ran {len(run)} of {len(cells)} cells ({len(gpu)} GPU cell(s)"
           f"{', left out: dry run' if dry else ''})")
 
