@@ -101,7 +101,7 @@ def test_steps_with_too_little_budget_left_are_skipped(tmp_path):
 # ---------------------------------------------------------------- tools/cuda_cells.py: which cells run
 def _cell(src, kind='code'): return dict(cell_type=kind, source=src)
 
-NB = [_cell('#| default_exp x'), _cell('#| export\nimport torch\nfrom dtnb.utils import placement'),
+NB = [_cell('#| default_exp x'), _cell('#| export\nimport torch\nfrom dtnb.core.utils import placement'),
       _cell('# Title', 'markdown'),
       _cell("#| hide\nimport os\nos.environ['DTNB_DEVICE'] = 'cpu'"),
       _cell('#| export\ndef f(x): return g(x)'),
