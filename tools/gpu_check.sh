@@ -36,6 +36,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
+PY0=$PY  # writes the summary: the python given, whatever the install step made of it
 WHEELS=${WHEELHOUSE:-.whl}
 
 # The steps in order of value, with their share of the budget in percent (the shares add up to more than 100: most
@@ -123,7 +124,7 @@ echo "gpu_check: $n GPU(s)$( [ $DRY = 1 ] && echo ', dry run on the CPU'); budge
 say() { echo "$*" | tee -a "$RES/gpu_check.log"; }  # the console, kept in the archive too
 
 pack() {  # summary.json and the archive, rewritten whole after each step (write, then rename: never half a file)
-  "$PY" - "$WORK/steps.tsv" "$RES/summary.json" "$BUDGET" "$DRY" "$n" "$((SECONDS - START))" <<'EOF' || true
+  "$PY0" - "$WORK/steps.tsv" "$RES/summary.json" "$BUDGET" "$DRY" "$n" "$((SECONDS - START))" <<'EOF' || true
 import json, sys
 tsv, out, budget, dry, gpus, secs = sys.argv[1:]
 steps = []
