@@ -12,14 +12,14 @@ reaches the next).
                                                                                        with a GPU cell
 
 --dry-run runs the same slices with the GPU cells left out (a CPU machine: their supporting cells must run, the GPU
-cells must compile, and every name they read must be defined after the slice ran), the notebooks pinned to the CPU under the one-GPU stand-in of tests/standin, in two
-processes (pinned, others), so CI proves the slices are complete. Exit 1 when a notebook failed.
+cells must compile, and every name they read must be defined once the slice ran), the notebooks pinned to the CPU
+under the one-GPU stand-in of tests/standin, in two processes (pinned, others), so CI proves the slices are
+complete. Exit 1 when a notebook failed.
 """
 import argparse, ast, builtins, json, os, subprocess, sys, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-GPU_FLAGS = ('cuda', 'multicuda')
 KEEP_DIRECTIVES = ('export', 'exports', 'exporti')
 SKIP_FLAGS = ('notest', 'slow', 'cuda', 'multicuda')
 
@@ -119,7 +119,8 @@ def run_one(path, multi, dry):
     if dry:  # the slice is complete: every name a GPU cell reads is defined once its supporting cells have run
         given = {n for i in gpu for n in names(cells[i]['source'])[0]}  # by another GPU cell, when they run
         missing = sorted({n for i in gpu for n in names(cells[i]['source'])[1]} - set(shell.user_ns) - given)
-        if missing: raise NameError(f"{Path(path).name}: its GPU cells read {missing}, which the slice leaves undefined")
+        if missing:
+            raise NameError(f"{Path(path).name}: its GPU cells read {missing}, which the slice leaves undefined")
     print(f"{Path(path).name}: ran {len(run)} of {len(cells)} cells ({len(gpu)} GPU cell(s)"
           f"{', left out: dry run' if dry else ''})")
 

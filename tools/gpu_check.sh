@@ -175,7 +175,8 @@ step() {  # step NAME COMMAND...: run it in its slice, its output in NAME.log; r
 # ---------------------------------------------------------------- what the steps run (functions, for `bash -c`)
 env_json() { dtnb env --json >"$RES/env.json" && echo "wrote env.json"; }  # the text form is in the report
 smi() {
-  if command -v nvidia-smi >/dev/null; then nvidia-smi && nvidia-smi topo -m; else echo "no nvidia-smi here (dry run)"; fi
+  if command -v nvidia-smi >/dev/null; then nvidia-smi && nvidia-smi topo -m
+  else echo "no nvidia-smi here (dry run)"; fi
 }
 cuda_tests() {  # only the test files that carry the marks; none yet is not a failure
   local files marks='cuda and not multicuda'; [ "$GPUS" -lt 2 ] || marks='cuda or multicuda'

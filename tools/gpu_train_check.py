@@ -4,9 +4,9 @@ tools/gpu_check.sh, run when time is left.
 
     python tools/gpu_train_check.py [--out FILE.json] [--device cpu]
 
-On a GPU both run there. `--device cpu` (tools/gpu_check.sh --dry-run) runs the same calls on the CPU with small
-sizes, and find_batch_size's estimate against a memory budget (trying needs an accelerator): no GPU figure. Exit 1 when a check failed;
-each check's result is written to --out as soon as it is known.
+On a GPU both run there. `--device cpu` (tools/gpu_check.sh --dry-run) runs the same `fit` calls on the CPU, and
+find_batch_size's estimate against a memory budget (trying needs an accelerator): no GPU figure. Exit 1 when a check
+failed; each check's result is written to --out as soon as it is known.
 """
 import argparse, json, sys, time, traceback
 from pathlib import Path
