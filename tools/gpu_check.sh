@@ -7,7 +7,8 @@
 #   tools/gpu_check.sh --install-only   install from the wheelhouse, run nothing
 #   tools/gpu_check.sh --requirements   print what the wheelhouse must hold (dtnb's deps, the test tools; no torch)
 #   tools/gpu_check.sh --flags-for N    print the nbdev-test flags for N GPUs (multicuda only with 2 or more)
-#   tools/gpu_check.sh --steps          print the steps in order, with their share of the budget
+#   tools/gpu_check.sh --steps          print the steps in order, with their share of the budget (with --dry-run:
+#                                       the dry run's shares)
 #
 # OUT_DIR (default $OUT, else gpu-check-<date>/) receives gpu-check.tar.gz (every log and result) and summary.json
 # (each step: its slice, seconds, exit code, 'timeout' or 'skipped'). The steps, most valuable first:
@@ -42,6 +43,8 @@ WHEELS=${WHEELHOUSE:-.whl}
 # The steps in order of value, with their share of the budget in percent (the shares add up to more than 100: most
 # steps end well inside their slice, and none gets more than what is left).
 STEPS="install:12 env:6 nvidia_smi:3 gpu_bench:30 report:20 cuda_cells:25 cuda_tests:10 train:12"
+# The dry run's CPU forms cost otherwise: no GPU benchmark to speak of, the cells' slices and the imports dominate.
+STEPS_DRY="install:5 env:10 nvidia_smi:3 gpu_bench:20 report:25 cuda_cells:35 cuda_tests:5 train:20"
 
 requirements() {  # from pyproject.toml: build requirements, dependencies and the nvml/safetensors/dev extras
   "$PY" - <<'EOF'
@@ -87,13 +90,13 @@ flags_for() {  # nbdev-test flags for $1 GPUs: #| multicuda cells need two or mo
 }
 
 # ---------------------------------------------------------------- arguments
-BUDGET=480; DRY=0; ONLY=""; OUT_DIR=""; declare -A SLICE=()
+BUDGET=480; DRY=0; ONLY=""; OUT_DIR=""; SHOW_STEPS=0; declare -A SLICE=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --requirements) requirements; exit ;;
     --flags-for) flags_for "${2:-0}"; exit ;;
     --install-only) install; exit ;;
-    --steps) for s in $STEPS; do echo "${s%%:*} ${s##*:}%"; done; exit ;;
+    --steps) SHOW_STEPS=1 ;;
     --budget) BUDGET=$2; shift ;;
     --slice) SLICE[${2%%=*}]=${2#*=}; shift ;;
     --only) ONLY=",$2,"; shift ;;
@@ -104,6 +107,8 @@ while [ $# -gt 0 ]; do
   shift
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu_check: --budget takes whole seconds, not '$BUDGET'" >&2; exit 2 ;; esac
+[ $DRY = 0 ] || STEPS=$STEPS_DRY
+if [ $SHOW_STEPS = 1 ]; then for s in $STEPS; do echo "${s%%:*} ${s##*:}%"; done; exit; fi
 
 n=$(gpu_count)
 if [ "${n:-0}" -eq 0 ] && [ $DRY = 0 ]; then
