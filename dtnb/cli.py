@@ -57,7 +57,8 @@ def _report(args):
 
 # %% ../nbs/10_cli.ipynb #20ef5ca0
 def _plan(args):
-    from dtnb.plan.memory import recommend, estimate_memory, TransformerShape
+    from dtnb.plan.memory import estimate_memory, TransformerShape
+    from dtnb.plan.recommend import recommend
     dims = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len)
     if args.predict and args.params and not args.layers: return _predict(args, args.params)
     if any(dims.values()) and not all(dims.values()):

@@ -28,7 +28,8 @@ def test_submodules_reachable_as_attributes():
 
 def test_import_dtnb_is_cheap():
     "`import dtnb` loads no torch; the first public name loads only what it needs"
-    code = "import sys, dtnb; assert 'torch' not in sys.modules; dtnb.detect; assert 'torch.distributed.fsdp' not in sys.modules"
+    code = ("import sys, dtnb; assert 'torch' not in sys.modules; dtnb.detect; "
+            "assert 'torch.distributed.fsdp' not in sys.modules")
     subprocess.run([sys.executable, '-c', code], check=True)
 
 
@@ -71,3 +72,16 @@ def test_wiring_is_visible():
     root = pathlib.Path(dtnb.__file__).parent
     bad += [f"{p}: __import__" for p in root.rglob('*.py') if '__import__(' in p.read_text() and p.name != '_modidx.py']
     assert not bad, '\n'.join(bad)
+
+
+def test_lines_and_modules_stay_short():
+    "No line over 120 characters in dtnb/, tests/, tools/ (nbdev's `__all__` and index aside); no module over 450 lines"
+    import pathlib
+    root = pathlib.Path(dtnb.__file__).parent.parent
+    files = [p for d in ('dtnb', 'tests', 'tools') for p in (root / d).rglob('*') if p.suffix in ('.py', '.sh')]
+    long = [f"{p.relative_to(root)}:{i}" for p in files if p.name != '_modidx.py'
+            for i, l in enumerate(p.read_text().splitlines(), 1) if len(l) > 120 and not l.startswith('__all__ = ')]
+    assert not long, long
+    big = [f"{p.relative_to(root)}: {n}" for p in (root / 'dtnb').rglob('*.py') if p.name != '_modidx.py'
+           and (n := len(p.read_text().splitlines())) > 450]
+    assert not big, big

@@ -11,7 +11,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from dtnb.launcher.processes import launch
 from dtnb.parallel.ddp import make_optimizer, distributed_loader
 from dtnb.parallel.wrap import wrap
-from dtnb.plan.memory import estimate_memory, recommend
+from dtnb.plan.memory import estimate_memory
+from dtnb.plan.recommend import recommend
 from dtnb.plan.measure import _measure_step
 from dtnb.core.models import ToyModel, toy_data
 
@@ -36,7 +37,8 @@ def llama():
 MODELS = dict(gpt2=gpt2, llama=llama)
 TOKENS = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(0))
 SETUPS = dict(ddp=('ddp', {}), zero1=('zero1', {}), zero2=('zero2', {}), zero3=('zero3', {}),
-              ddp_ac=('ddp', dict(activation_checkpointing=True)), zero2_ac=('zero2', dict(activation_checkpointing=True)),
+              ddp_ac=('ddp', dict(activation_checkpointing=True)), zero2_ac=('zero2',
+                  dict(activation_checkpointing=True)),
               zero3_offload=('zero3', dict(offload=True)))
 
 

@@ -10,7 +10,8 @@ import math, re
 from dataclasses import dataclass
 from ..core.specs import DeviceSpec, device_spec
 from ..core.utils import PRECISIONS, precision_for, md_table, text_table, fmt_bytes
-from ..plan.memory import TransformerShape, recommend
+from ..plan.memory import TransformerShape
+from ..plan.recommend import recommend
 from .collectives import busbw_factor
 from ..parallel.pipeline_schedules import bubble_fraction
 from .throughput import step_flops, default_loss, PRICE_EXAMPLES

@@ -13,7 +13,8 @@ from ..core.utils import tree_map_tensors, tensors, autocast, synchronize, parse
 from ..core.utils import accelerators, cast_inputs, DEFAULT_PRECISION
 from ..detection.device import detect
 from .activations import forward_batch
-from .memory import check_setup, estimate_memory, device_memory
+from .memory import check_setup, estimate_memory
+from .recommend import device_memory
 
 # %% auto #0
 __all__ = ['batch_of', 'BatchSize', 'find_batch_size']

@@ -1,4 +1,4 @@
-"""How many bytes each device needs for each strategy, and which strategy fits.
+"""How many bytes each device needs for each strategy: parameters, gradients, optimizer states, activations.
 
 Docs: https://dtnb-dev.github.io/dtnb/plan.memory.html.md"""
 
@@ -7,16 +7,15 @@ Docs: https://dtnb-dev.github.io/dtnb/plan.memory.html.md"""
 # %% ../../nbs/04a_plan.memory.ipynb #b4312852
 from __future__ import annotations
 import math
-from dataclasses import dataclass, asdict, replace
+from dataclasses import dataclass, asdict
 from ..core.utils import PRECISIONS, DEFAULT_PRECISION, check_precision, shard_numel, fmt_bytes, md_table, text_table
 from ..core.models import find_blocks
 from .activations import ActivationTrace, trace_activations
-from ..parallel.pipeline_split import split_model, chain_problem, trace_stages, pipeline_units
+from ..parallel.pipeline_split import split_model, chain_problem, trace_stages
 
 # %% auto #0
 __all__ = ['OPTIMIZERS', 'ALIASES', 'SHARDS', 'optimizer_bytes', 'TransformerShape', 'ModelSizes', 'model_sizes',
-           'MemoryEstimate', 'check_setup', 'stage_sizes', 'estimate_memory', 'device_memory', 'MemoryPlan',
-           'recommend', 'memory_explorer']
+           'MemoryEstimate', 'check_setup', 'stage_sizes', 'estimate_memory']
 
 # %% ../../nbs/04a_plan.memory.ipynb #33173573
 OPTIMIZERS = {'sgd': 0, 'momentum': 1, 'adam': 2, 'adamw': 2}  # optimizer state tensors per parameter
@@ -293,188 +292,3 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
     tmp = comm + (0 if offload else opt_tmp)
     return MemoryEstimate(strategy, world_size, optimizer, precision, psi, dev['parameters'], dev['gradients'],
                           dev['optimizer'], acts, tmp, host, activation_checkpointing, offload, src, rank, unit)
-
-# %% ../../nbs/04a_plan.memory.ipynb #57e94ad1
-def _ladder(ws, activation_checkpointing=True):
-    "(strategy, activation checkpointing, offload) in the order `recommend` tries them; `activation_checkpointing`: try"
-    cks = (False, True) if activation_checkpointing else (False,)
-    offload = [('zero3', c, True) for c in cks]
-    if ws == 1: return [('single', c, False) for c in cks] + offload
-    return [(s, c, False) for c in cks for s in ('ddp', 'zero1', 'zero2', 'zero3')] + offload
-
-def _pipeline(model, stages:int, **kw) -> MemoryEstimate:
-    "A 1F1B pipeline over `stages` devices: its largest stage (one micro-batch's activations of the whole model)"
-    ranks = range(stages) if hasattr(model, 'parameters') else [0]  # a count or a shape: 1/stages on each
-    return max((estimate_memory(model, 'pipeline', stages, rank=r, **kw) for r in ranks), key=lambda e: e.total)
-
-def device_memory(report, world_size):
-    "(bytes per rank, device name) from a DeviceReport: the first accelerator, else the RAM shared by the ranks"
-    if report.accelerators: d = report.accelerators[0]; return d.total_memory, d.name
-    cpu = report.devices[0]
-    if cpu.total_memory is None: return None, cpu.name
-    return cpu.total_memory // world_size, f"{cpu.name} RAM" + (f" shared by {world_size} ranks" * (world_size > 1))
-
-# %% ../../nbs/04a_plan.memory.ipynb #1dfac6a2
-@dataclass
-class MemoryPlan:
-    "The strategy that fits, why, and the estimates that led there"
-    strategy: str|None  # 'single', 'ddp', 'zero1', 'zero2', 'zero3', 'pipeline', or None when nothing fits
-    activation_checkpointing: bool    # with activation checkpointing
-    offload: bool       # with CPU offload
-    reason: str
-    memory: int         # device memory per rank, bytes
-    budget: int         # usable bytes per device: memory less the margin
-    device: str
-    estimates: list     # MemoryEstimate of every option, in the order tried; the single-device check first
-    chosen: int|None    # index of the recommended estimate
-    margin: float = 0.1 # fraction of device memory kept free
-
-    @property
-    def label(self): return 'nothing fits' if self.strategy is None else self.estimates[self.chosen].label
-    @property
-    def wrap_kwargs(self) -> dict|None:
-        "What `wrap(model, **plan.wrap_kwargs)` needs to apply the plan (None when nothing fits)"
-        if self.strategy is None: return None
-        kw = dict(strategy=self.strategy)
-        if self.activation_checkpointing: kw['activation_checkpointing'] = True
-        if self.offload: kw['offload'] = True
-        return kw
-    @property
-    def code(self) -> str:
-        "The plan as lines of Python: wrap, the optimizer, fit"
-        if self.strategy is None: return ''
-        e = self.estimates[self.chosen]
-        opts = ''.join(f", {k}={v!r}" for k, v in self.wrap_kwargs.items() if k != 'strategy')
-        extra = ", loss_fn=loss_fn" if self.strategy == 'pipeline' else ''
-        opt = dict(sgd='SGD', momentum='SGD', adam='Adam', adamw='AdamW')[e.optimizer]
-        p = {'zero-mixed': 'bf16-mixed'}.get(e.precision, e.precision)  # torch trains ZeRO's 16 bytes as autocast
-        prec = '' if p == 'fp32' else f", precision={p!r}"
-        return (f"model = dtnb.wrap(model, {self.strategy!r}{opts}{extra})\n"
-                f"optimizer = dtnb.make_optimizer(model, torch.optim.{opt}, lr=...)\n"
-                f"dtnb.fit(model, loader, optimizer{prec})")
-    def assumptions(self) -> str:
-        "What the table assumes: optimizer, precision, activations, margin"
-        e = self.estimates[0]
-        acts = {'traced': 'traced from the batch', 'formula': "from the transformer formula",
-                'given': 'as given'}.get(e.activation_source, "not counted (give batch= or shape=): totals are lower "
-                                         "bounds and checkpointing is not planned")
-        return (f"assumes {e.optimizer}, {e.precision} precision, activations {acts}; budget {fmt_bytes(self.budget)} "
-                f"per device ({fmt_bytes(self.memory)} {self.device}, less a {self.margin:.0%} margin)")
-    def _fits(self, e):
-        if e.total > self.budget: return 'no'
-        return f"if activations ≤ {fmt_bytes(self.budget - e.total)}" if e.activations is None else 'yes'
-    def rows(self):
-        states = lambda e: f"{fmt_bytes(e.offloaded)} on host" if e.offload else fmt_bytes(e.model_states)
-        lower = lambda e, b: (('≥ ' + fmt_bytes(b)) if b else 'not counted') if 'gathered units' in e.unknown \
-                             else fmt_bytes(b)
-        return [(('→ ' if i == self.chosen else '') + e.label, e.world_size, states(e),
-                 'not counted' if e.activations is None else fmt_bytes(e.activations), lower(e, e.temporary),
-                 e.total_text, self._fits(e)) for i, e in enumerate(self.estimates)]
-    _cols = ('option', 'devices', 'model states', 'activations', 'temporary', 'total per device', 'fits')
-    def _head(self):
-        run = f"\nrun it: {self.code.splitlines()[0]}" if self.strategy else ''
-        return f"{self.label}: {self.reason}\n{self.assumptions()}{run}"
-    def to_dict(self):
-        return dict(strategy=self.strategy, activation_checkpointing=self.activation_checkpointing,
-                    offload=self.offload, reason=self.reason,
-                    memory=self.memory, budget=self.budget, device=self.device, chosen=self.chosen,
-                    margin=self.margin, wrap_kwargs=self.wrap_kwargs, assumptions=self.assumptions(), code=self.code,
-                    estimates=[e.to_dict() for e in self.estimates])
-    def _repr_markdown_(self):
-        h = self._head().split('\n')
-        return f"**{h[0]}**\n\n" + ''.join(f"{l}\n\n" for l in h[1:]) + md_table(self._cols, self.rows())
-    def __str__(self): return self._head() + '\n\n' + text_table(self._cols, self.rows())
-
-# %% ../../nbs/04a_plan.memory.ipynb #381d8810
-def _reason(plan_opts, single, chosen, budget, ws):
-    "One sentence on why the chosen option was picked"
-    if single.total <= budget:
-        return (f"fits on one device ({single.total_text}): train there" +
-                (f", or use DDP over {ws} devices for speed" if ws > 1 else ''))
-    need = f"one device would need {single.total_text}"
-    if chosen is None:
-        last = plan_opts[-1]
-        return (f"{need}, and even {last.label} needs {last.total_text} per device: use more devices, "
-                "a smaller micro-batch, or tensor parallelism")
-    e = plan_opts[chosen]
-    pipe = next((p for p in plan_opts if p.strategy == 'pipeline' and p.total <= budget), None)
-    also = (f"; a pipeline of {pipe.world_size} stages ({pipe.label}) fits too, without the host traffic"
-            if e.offload and pipe else '')
-    needs = 'an unknown amount' if e.total_text == 'unknown' else e.total_text
-    return f"{need}; {e.label} needs {needs} per device, the first option that fits{also}"
-
-def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
-              batch=None, # example batch per device, traced for the activations (with a model)
-              report=None, # a `DeviceReport`; default: `detect()`
-              world_size:int|None=None, # devices to plan for; default: the report's accelerators, else 1
-              optimizer:str='adamw',
-              precision:str=DEFAULT_PRECISION, # the precision to train in (`precision_for(dtype)`: a device's fast one)
-              loss_fn=None, # loss for the traced batch
-              shape:TransformerShape|None=None, # transformer shapes, for the activation formula
-              memory:int|float|None=None, # bytes per device, instead of the report's
-              margin:float=0.1, # fraction of device memory kept free
-              units=None, # module classes that are the model's units
-             ) -> MemoryPlan:
-    "The first strategy, in order of cost, whose estimate fits the device memory, and the table that led there"
-    if not 0 <= margin < 1: raise ValueError(f"margin={margin} must be a fraction of device memory in [0, 1), e.g. 0.1")
-    if report is None and (world_size is None or memory is None):
-        from dtnb.detection.device import detect
-        report = detect()
-    ws = world_size or (len(report.accelerators) or 1)
-    if memory is None: memory, device = device_memory(report, ws)
-    else: device = 'given'
-    if not memory:
-        raise ValueError("The device memory is unknown (psutil missing?): pass memory= in bytes, e.g. memory=80e9")
-    kw = dict(optimizer=optimizer, precision=precision, shape=shape, units=units)
-    if batch is not None: kw['activations'] = trace_activations(model, batch, loss_fn, precision, units)
-    single = estimate_memory(model, 'single', 1, **kw)
-    acts = single.activations is not None  # without activations, checkpointing changes nothing the table shows
-    opts = [estimate_memory(model, s, ws, activation_checkpointing=c, offload=o, **kw) for s, c, o in _ladder(ws, acts)]
-    if isinstance(model, TransformerShape): shape = shape or model
-    layers = shape.layers if shape else (len(find_blocks(model, units)) if hasattr(model, 'parameters') else 0)
-    stages = min(ws, layers or ws)  # no more stages than layers
-    if hasattr(model, 'parameters'): stages = min(stages, len(pipeline_units(model)))  # nor than places to cut
-    if stages > 1:
-        opts.append(_pipeline(model, stages, **kw))
-        if acts: opts.append(_pipeline(model, stages, activation_checkpointing=True, **kw))
-    budget = int(memory * (1 - margin))
-    chosen = next((i for i, e in enumerate(opts) if e.total <= budget), None)
-    ests = ([single] if ws > 1 else []) + opts
-    e = None if chosen is None else opts[chosen]
-    return MemoryPlan(None if e is None else e.strategy, bool(e and e.activation_checkpointing), bool(e and e.offload),
-                      _reason(opts, single, chosen, budget, ws), int(memory), budget, device, ests,
-                      None if chosen is None else chosen + (ws > 1), margin)
-
-# %% ../../nbs/04a_plan.memory.ipynb #38581a6d
-class _Message(str):
-    "A message shown as Markdown by a widget"
-    def _repr_markdown_(self): return f"*{self}*"
-
-def memory_explorer(model=7.5e9, # an `nn.Module`, a parameter count, or a `TransformerShape`
-                    shape:TransformerShape|None=None, # transformer shapes: adds a micro-batch slider
-                    batch=None, # example batch to trace (with a model)
-                    loss_fn=None, world_size:int=8, strategy:str='ddp', optimizer:str='adamw',
-                    precision:str=DEFAULT_PRECISION):
-    "An ipywidgets explorer of `estimate_memory`: change world size, dtype, batch or strategy and the table follows"
-    import ipywidgets as W
-    if isinstance(model, TransformerShape): model, shape = model.params(), shape or model
-    traces = {}
-    def update(world_size, strategy, precision, optimizer, micro_batch, activation_checkpointing, offload):
-        acts = None
-        if batch is not None:
-            if precision not in traces: traces[precision] = trace_activations(model, batch, loss_fn, precision)
-            acts = traces[precision]
-        shp = replace(shape, batch=micro_batch) if shape is not None else None
-        try: return estimate_memory(model, strategy, world_size, optimizer, precision, shape=shp, activations=acts,
-                                    activation_checkpointing=activation_checkpointing, offload=offload)
-        except ValueError as e: return _Message(str(e))
-    sizes = sorted(set([2 ** i for i in range(13)] + [world_size]))
-    mb = (W.IntSlider(value=shape.batch, min=1, max=max(64, shape.batch), description='micro-batch') if shape
-          else W.fixed(None))
-    return W.interactive(update,
-        world_size=W.SelectionSlider(options=sizes, value=world_size, description='devices'),
-        strategy=W.Dropdown(options=list(SHARDS), value=ALIASES.get(strategy, strategy)),
-        precision=W.Dropdown(options=list(PRECISIONS), value=precision),
-        optimizer=W.Dropdown(options=list(OPTIMIZERS), value=optimizer), micro_batch=mb,
-        activation_checkpointing=W.Checkbox(value=False, description='activation checkpointing'),
-        offload=W.Checkbox(value=False, description='CPU offload'))

@@ -118,7 +118,7 @@ def env_section(quick=True, **_) -> Section:
 # %% ../../nbs/08a_reporting.sections.ipynb #428380ee
 def plan_section(quick=True, task=None, nprocs=2, **_) -> Section:
     "The strategy the memory planner recommends for the task's model, with its assumptions and table"
-    from dtnb.plan.memory import recommend
+    from dtnb.plan.recommend import recommend
     task = task or Task()
     batch = task.examples(16) if task.has_data else None
     p = recommend(task.build(), batch=batch, loss_fn=task.loss_fn if batch else None, world_size=nprocs,

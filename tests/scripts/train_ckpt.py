@@ -19,7 +19,7 @@ from dtnb.train.export import export_model
 
 
 def train(steps=12, every=3, dir=None, out=None, kill_at=0, kill_rank=1) -> dict:
-    "Train DDP ToyModel for `steps` with checkpoints in `dir`; export the final parameters to `out`; returns what fit did"
+    "Train DDP ToyModel for `steps` with checkpoints in `dir`; export the final parameters to `out`: fit's result"
     init_distributed()
     attempt = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))
     torch.manual_seed(0)
