@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from ..core.utils import fmt_bytes
 from ..detection.device import usable_cores
 from ..detection.env import parse_launch_env
+from ..core.dist import rank_world
 from .loaders import (guard, batch_stats, empty_loader_error, sample_error, stop_workers, fmt_settings,
                                plural)
 
@@ -67,9 +68,7 @@ def measure_sample_cost(dataset, n:int=16, collate_fn=None) -> SampleCost:
 def _local_ranks() -> int:
     "Ranks of this job on this machine (1 outside DDP)"
     n = parse_launch_env().local_world_size
-    if n == 1:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized(): n = dist.get_world_size()
+    if n == 1: n = rank_world()[1]
     return n
 
 def check_local_ranks(local_ranks):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..core.utils import tensors, to_device, autocast, synchronize, md_table, text_table, cast_inputs
 from ..core.utils import DEFAULT_PRECISION
 from ..launcher.processes import launch
-from ..core.dist import current_device
+from ..core.dist import current_device, rank_world
 from ..parallel.ddp import make_optimizer
 from ..parallel.wrap import wrap
 from .activations import SavedCounter, forward_batch, trace_activations
@@ -77,7 +77,7 @@ def _measure_step(model, batch, strategy, optimizer, precision, loss_fn, units, 
     loss.backward(); opt.step()
     held = getattr(opt, 'optim', opt)  # ZeRO-1: the local optimizer holds this rank's share of the state
     states = [v for st in held.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    out = dict(rank=dist.get_rank() if dist.is_initialized() else 0, device=str(dev),
+    out = dict(rank=rank_world()[0], device=str(dev),
                parameters=_storage_bytes([*model.parameters(), *model.buffers()]),
                gradients=_storage_bytes(p.grad for p in model.parameters()), optimizer_states=_storage_bytes(states),
                activations=acts, saved=saved, peak=None, temporary=None)
