@@ -29,7 +29,7 @@ def worker(sizes, steps):
     "One rank: all-reduce busbw at `sizes`, then the DDP step with and without gradient sync; rank 0 prints JSON"
     import torch, torch.distributed as dist
     import dtnb
-    from dtnb.throughput import scaling_rank
+    from dtnb.bench.throughput import scaling_rank
     torch.set_num_threads(1)
     dtnb.init_distributed()
     n, out = dtnb.world_size(), dict(busbw={})
@@ -64,8 +64,8 @@ def run_pair(c, hosts, sizes, steps):
 
 
 def predicted(grad_bytes, n, busbw_gbs):
-    from dtnb.throughput import predict_sync_seconds
-    from dtnb.forecast import step_collectives, bus_bytes
+    from dtnb.bench.throughput import predict_sync_seconds
+    from dtnb.bench.forecast import step_collectives, bus_bytes
     s = predict_sync_seconds('ddp', grad_bytes, n, busbw_gbs)
     comm = bus_bytes(step_collectives('ddp', grad_bytes // 4, n), n) / (busbw_gbs * 1e9)  # predict()'s comm term
     assert abs(s - comm) <= 1e-9 * max(s, 1), (s, comm)

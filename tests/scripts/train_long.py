@@ -5,11 +5,11 @@ first step is done: the subject of the lost-peer tests (tests/test_cluster.py), 
 """
 import sys, time
 import torch
-from dtnb.launcher import init_distributed, shutdown, rank
-from dtnb.ddp import wrap, distributed_loader
-from dtnb.models import ToyModel, toy_data
-from dtnb.train import fit
-from dtnb.callbacks import Callback
+from dtnb.launcher.processes import init_distributed, shutdown, rank
+from dtnb.parallel.ddp import wrap, distributed_loader
+from dtnb.core.models import ToyModel, toy_data
+from dtnb.train.loop import fit
+from dtnb.train.callbacks import Callback
 
 
 class Announce(Callback):
