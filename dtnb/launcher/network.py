@@ -130,7 +130,7 @@ def check_advertised(master_addr:str, nnodes:int, env:dict|None=None):
 
 # %% ../../nbs/02_launcher.network.ipynb #1c13014f
 def prepare_network(master_addr:str|None, nnodes:int, local_rank:int=0, env:dict|None=None, quiet:bool=False) -> dict:
-    "Set `GLOO_SOCKET_IFNAME`/`NCCL_SOCKET_IFNAME` in `env` for a multi-node job (saying which), then `check_advertised`"
+    "Check (`check_advertised`), then set `GLOO_SOCKET_IFNAME`/`NCCL_SOCKET_IFNAME` in `env` for a multi-node job"
     env = os.environ if env is None else env
     if nnodes <= 1 or not master_addr: return {}
     sets = socket_ifname_env(master_addr, nnodes, env)
@@ -211,7 +211,7 @@ def _bounded(fn, seconds:float, default=None):
 
 # %% ../../nbs/02_launcher.network.ipynb #4e4c0bb2
 class PeerWatch:
-    "This rank's heartbeat in the job's c10d store, and the other ranks' read back: a rank unheard for `timeout` s is lost"
+    "This rank's heartbeat in the job's c10d store, and the other ranks' read back: one unheard for `timeout` s is lost"
     def __init__(self, store_addr:str, store_port:int, rank:int, world_size:int, timeout:float,
                  prefix:str='dtnb/peers', address:str|None=None, on_lost=None):
         self.store_addr, self.store_port, self.rank, self.world = store_addr, store_port, rank, world_size
@@ -260,7 +260,8 @@ def _read_peers(w:PeerWatch):
     if silent:
         rec = w.peers[silent[0]]
         return PeerLostError(f"lost {_who(rec)}: not heard from for {now - w.heard[silent[0]]:.0f} s (limit "
-                             f"DTNB_PEER_TIMEOUT={w.timeout:g} s); it was last {rec['doing']}", rec['rank'], rec['host'])
+                             f"DTNB_PEER_TIMEOUT={w.timeout:g} s); it was last {rec['doing']}",
+                             rec['rank'], rec['host'])
 
 def _store_lost(w:PeerWatch) -> PeerLostError:
     "The error for a rank that has not reached the job's store for `w.timeout` seconds"
