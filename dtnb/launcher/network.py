@@ -1,4 +1,4 @@
-"""Which interface reaches the other nodes, what gloo would advertise to them, and the variables that fix it.
+"""Which interface reaches the other nodes, what gloo would advertise to them, and a lost node that ends the job.
 
 Docs: https://dtnb-dev.github.io/dtnb/launcher.network.html.md"""
 
