@@ -218,7 +218,8 @@ class PeerWatch:
         self.timeout, self.prefix, self.on_lost = timeout, prefix.rstrip('/') + '/', on_lost or _exit_lost
         self.period = max(0.2, min(5.0, timeout / 6))
         self.me = dict(rank=rank, host=socket.gethostname(), addr=address or advertised_address())
-        self.peers, self.heard, self.n, self.verdict, self.store, self._ok = {}, {}, 0, None, None, None
+        self.peers, self.heard, self.n, self.verdict, self.store, self._ok, self.error = {}, {}, 0, None, None, None, ''
+
         self._stop, self._lock, self._threads = threading.Event(), threading.Lock(), []
 
     def start(self):
@@ -268,26 +269,28 @@ def _store_lost(w:PeerWatch) -> PeerLostError:
     holder = next((p for p in w.peers.values() if p['addr'] == w.store_addr), None)
     who = _who(holder) if holder else f"host {w.store_addr}"
     return PeerLostError(f"lost {who}, which holds the job's store ({w.store_addr}:{w.store_port}): unreachable for "
-                         f"{time.monotonic() - w._ok:.0f} s (limit DTNB_PEER_TIMEOUT={w.timeout:g} s)",
+                         f"{time.monotonic() - w._ok:.0f} s (limit DTNB_PEER_TIMEOUT={w.timeout:g} s"
+                         + (f"; last error: {w.error})" if w.error else ")"),
                          holder and holder['rank'], holder['host'] if holder else w.store_addr)
 
 # %% ../../nbs/02_launcher.network.ipynb #e3b293c2
 def _beat_loop(w:PeerWatch):
     "Connect to the store (until it answers), then one round each `w.period` until stopped or a peer is lost"
-    while w.store is None and not w._stop.is_set():
-        try: w.store = _store_client(w.store_addr, w.store_port, max(1.0, min(w.period * 2, w.timeout / 2)))
-        except Exception: w._stop.wait(w.period)
     while not w._stop.is_set():
+        if w.store is None:
+            try: w.store = _store_client(w.store_addr, w.store_port, max(2.0, w.timeout / 2))
+            except Exception: w._stop.wait(w.period); continue
+            w._ok = w._ok or time.monotonic()
         try: err = _read_peers(w)
-        except Exception: err = None  # the guard thread judges how long the store has been unreachable
+        except Exception as e:  # a failed or timed-out call leaves the connection out of step: connect again
+            err, w.store, w.error = None, None, str(e).strip().splitlines()[0][:200]  # the guard judges the time
         if err is not None: return _declare(w, err)
         w._stop.wait(w.period)
 
 def _guard_loop(w:PeerWatch):
     "Declare the store's host lost when no round has succeeded for `w.timeout` s (a round may block for ever)"
     while not w._stop.wait(w.period):
-        if w.store is None: continue  # not connected yet: the rendezvous' own timeout applies
-        if w._ok is None: w._ok = time.monotonic()
+        if w._ok is None: continue  # never connected yet: the rendezvous' own timeout applies
         if time.monotonic() - w._ok > w.timeout: return _declare(w, _store_lost(w))
 
 def _declare(w:PeerWatch, err:PeerLostError):
@@ -297,7 +300,7 @@ def _declare(w:PeerWatch, err:PeerLostError):
         w.verdict = err
     if '(seen by rank' not in str(err):
         v = json.dumps(dict(msg=str(err), by=w.rank, rank=err.rank, host=err.host))
-        _bounded(lambda: w.store.set(w.prefix + 'lost', v), 1)
+        if w.store is not None: _bounded(lambda: w.store.set(w.prefix + 'lost', v), 1)
     w._stop.set()
     w.on_lost(err)
 
