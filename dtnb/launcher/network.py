@@ -177,15 +177,20 @@ class PeerLostError(NetworkError):
 
 # %% ../../nbs/02_launcher.network.ipynb #d6009bbf
 _TORCH = os.sep + 'torch' + os.sep
+_STDLIB = tuple({__import__('sysconfig').get_paths()[k] for k in ('stdlib', 'platstdlib')})
+
+def _library(filename:str) -> bool:
+    "A frame of torch, of Python's standard library or of its import machinery: not the caller's own code"
+    std = filename.startswith(_STDLIB) and 'site-packages' not in filename and 'dist-packages' not in filename
+    return _TORCH in filename or std or filename.startswith('<frozen')
 
 def _activity(ident:int|None=None) -> str:
     "What a thread (default: the main thread) is doing: the torch call it is in, and where its own code called it"
     frame = sys._current_frames().get(ident or threading.main_thread().ident)
     if frame is None: return 'exiting'
     stack = traceback.extract_stack(frame)  # outermost first
-    stack = [f for f in stack if not f.filename.startswith('<frozen')]  # import machinery
-    own = [i for i, f in enumerate(stack) if _TORCH not in f.filename and 'threading.py' not in f.filename]
-    if not own: return 'in torch'
+    own = [i for i, f in enumerate(stack) if not _library(f.filename)]
+    if not own: return f"in {stack[-1].name}" if stack else 'idle'
     here = stack[own[-1]]
     where = f"{os.path.basename(here.filename)}:{here.lineno} ({here.name})"
     return f"in {stack[own[-1] + 1].name}, called from {where}" if own[-1] + 1 < len(stack) else f"at {where}"
