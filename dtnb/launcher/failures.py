@@ -9,7 +9,7 @@ from __future__ import annotations
 import os, re
 
 # %% auto #0
-__all__ = ['LaunchError', 'report_failure']
+__all__ = ['PEER_GONE', 'LaunchError', 'report_failure']
 
 # %% ../../nbs/02_launcher.failures.ipynb #26d10afa
 class LaunchError(RuntimeError):
@@ -21,7 +21,7 @@ class LaunchError(RuntimeError):
 _COLLECTIVE = re.compile(r'line \d+ in (all_reduce|all_gather\w*|reduce_scatter\w*|broadcast\w*|barrier|'
                          r'monitored_barrier|all_to_all\w*|send|recv|isend|irecv|gather\w*|scatter\w*|reduce|wait)\b')
 
-_PEER_GONE = re.compile(r'Connection closed by peer|Connection reset|ECONNRESET|Broken pipe|EPIPE|DistNetworkError|'
+PEER_GONE = re.compile(r'Connection closed by peer|Connection reset|ECONNRESET|Broken pipe|EPIPE|DistNetworkError|'
                         r'recvBytes|NCCL communicator was aborted')
 
 def _user_frames(log:str) -> str:
@@ -54,7 +54,7 @@ def report_failure(procs, tmp, out, hung, timeout, exited):
     if failed:
         errs = {r: os.path.join(tmp, f'error_{r}.txt') for r in failed}
         when = {r: os.path.getmtime(f) if os.path.exists(f) else float('inf') for r, f in errs.items()}
-        after = {r for r, tb in failed.items() if _PEER_GONE.search(tb)}  # failed because another rank went away
+        after = {r for r, tb in failed.items() if PEER_GONE.search(tb)}  # failed because another rank went away
         cause = sorted(set(failed) - after, key=when.get) or sorted(failed, key=when.get)[:1]
         also = sorted(set(failed) - set(cause))
         then = (f"; rank{'s' if len(also) > 1 else ''} {', '.join(map(str, also))} then failed too "

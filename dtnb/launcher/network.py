@@ -6,9 +6,9 @@ Docs: https://dtnb-dev.github.io/dtnb/launcher.network.html.md"""
 
 # %% ../../nbs/02_launcher.network.ipynb #9bc94546
 from __future__ import annotations
-import os, re, sys, json, time, socket, datetime, threading, traceback, ipaddress
+import os, re, sys, json, time, socket, datetime, threading, traceback, ipaddress, sysconfig
 from dataclasses import dataclass
-from .failures import LaunchError, _PEER_GONE
+from .failures import LaunchError, PEER_GONE
 
 # %% auto #0
 __all__ = ['IFNAME_VARS', 'PEER_TIMEOUT', 'NetworkError', 'Route', 'route_to', 'advertised_address', 'socket_ifname_env',
@@ -177,7 +177,7 @@ class PeerLostError(NetworkError):
 
 # %% ../../nbs/02_launcher.network.ipynb #d6009bbf
 _TORCH = os.sep + 'torch' + os.sep
-_STDLIB = tuple({__import__('sysconfig').get_paths()[k] for k in ('stdlib', 'platstdlib')})
+_STDLIB = tuple({sysconfig.get_paths()[k] for k in ('stdlib', 'platstdlib')})
 
 def _library(filename:str) -> bool:
     "A frame of torch, of Python's standard library or of its import machinery: not the caller's own code"
@@ -364,7 +364,7 @@ def stop_peer_watch(state:str='done', doing:str=''):
 def _explain(w:PeerWatch, e:BaseException) -> PeerLostError|None:
     "The lost peer behind a failed collective `e`, from the store's verdict or the address gloo names"
     msg = str(e)
-    if not (_PEER_GONE.search(msg) or 'Timed out' in msg or type(e).__name__ == 'DistNetworkError'): return None
+    if not (PEER_GONE.search(msg) or 'Timed out' in msg or type(e).__name__ == 'DistNetworkError'): return None
     if w.verdict: return w.verdict
     if isinstance(err := _bounded(lambda: _read_peers(w), 2), PeerLostError): return err
     m = _ADDR.search(msg)
@@ -382,7 +382,7 @@ def _excepthook(tp, e, tb):
     prev = _PREV_HOOK or sys.__excepthook__
     if w is None or not issubclass(tp, Exception): return prev(tp, e, tb)
     err = _explain(w, e)
-    if err is None and _PEER_GONE.search(str(e)):
+    if err is None and PEER_GONE.search(str(e)):
         w._stop.wait(w.timeout + 2 * w.period)  # the watch's verdict, when it comes, ends this process
         err = w.verdict
     if err is None:
