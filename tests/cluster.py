@@ -1,6 +1,6 @@
 """A cluster of hosts on one machine for tests, benchmarks and tutorials: `tools/cluster.sh` (network namespaces joined
 by a bridge in a switch namespace) driven from Python. Host `i` (1-based) has address 10.77.0.i and hostname `host{i}`,
-which its /etc/hosts maps to 127.0.1.1 as Debian and Ubuntu do.
+which its /etc/hosts maps to 127.0.1.1 as Debian and Ubuntu do (and the other hosts' names to their addresses).
 
     with Cluster(2, rate='100mbit') as c:
         p = c.run(1, ['python', 'serve.py'])     # a subprocess.Popen running on host 1

@@ -12,7 +12,7 @@
 #
 # Host I is the namespace P-hI: `lo` and `eth0` up, address 10.77.0.I/24, hostname hostI (its own UTS namespace,
 # under `exec`), and an /etc/hosts that maps hostI to 127.0.1.1 the way Debian and Ubuntu do (the trap gloo falls
-# into when it advertises what the hostname resolves to). The hosts' cables end in a bridge that lives in its own
+# into when it advertises what the hostname resolves to) and the other hosts' names to their addresses. The hosts' cables end in a bridge that lives in its own
 # namespace P-sw (the switch), so that no address of the cluster exists outside it: the root namespace and other
 # clusters cannot reach it, and two clusters may use the same addresses at once. RATE is tc's (1gbit, 100mbit).
 # This kernel has tbf and htb but not netem: rates can be shaped, latency and loss cannot.
@@ -67,9 +67,12 @@ up() {
     ip -n "$h" addr add "$SUBNET.$i/24" dev eth0
     ip -n "$h" link set lo up
     ip -n "$h" link set eth0 up
-    mkdir -p "/etc/netns/$h"
-    { grep -v '127.0.1.1' /etc/hosts || true; echo "127.0.1.1 host$i"; } > "/etc/netns/$h/hosts"
     [ -z "$rate" ] || shape "$p" "$i" "$rate"
+  done
+  for i in $(seq 1 "$n"); do  # each host: its own name on 127.0.1.1 (Debian), the others at their addresses (DNS)
+    h=$(host "$p" "$i"); mkdir -p "/etc/netns/$h"
+    { grep -v '127.0.1.1' /etc/hosts || true; echo "127.0.1.1 host$i"
+      for j in $(seq 1 "$n"); do [ "$j" = "$i" ] || echo "$SUBNET.$j host$j"; done; } > "/etc/netns/$h/hosts"
   done
   trap - ERR
   echo "$p"
