@@ -8,7 +8,7 @@ Docs: https://dtnb-dev.github.io/dtnb/network.html.md"""
 from __future__ import annotations
 import os, socket, ipaddress
 from dataclasses import dataclass
-from .failures import LaunchError
+from .launcher.failures import LaunchError
 
 # %% auto #0
 __all__ = ['IFNAME_VARS', 'NetworkError', 'Route', 'route_to', 'advertised_address', 'socket_ifname_env', 'check_advertised']
