@@ -92,3 +92,19 @@ def test_a_shaped_slow_link_is_named(cluster):
     assert '[FAIL] link: node 0 <-> node 2 (10.77.0.1 <-> 10.77.0.3): busbw' in text, text
     assert '[ok  ] link: node 0 <-> node 1 (10.77.0.1 <-> 10.77.0.2)' in text, text
     assert '[ok  ] slowest link: node 0 <-> node 2 (10.77.0.1 <-> 10.77.0.3)' in text, text
+
+
+def test_under_torchrun_on_two_hosts(cluster):
+    """Under torchrun's c10d rendezvous the ranks join the agent's store. The hostname resolves to 127.0.1.1 here, so
+    torchrun cannot tell which agent hosts the rendezvous: `is_host` and `--local-addr` say it (torchrun's own need)"""
+    c = cluster(2)
+    tr = str(Path(sys.executable).parent / 'torchrun')
+    procs = {i: c.run(i, [tr, '--nnodes', '2', '--nproc-per-node', '1', '--rdzv-backend', 'c10d', '--rdzv-endpoint',
+                          f'{c.addr(1)}:29400', '--rdzv-conf', f'is_host={int(i == 1)}', '--local-addr', c.addr(i),
+                          DTNB, 'doctor', *MIN], env=cpu_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                      stderr=subprocess.DEVNULL, text=True) for i in c.hosts}
+    out = {i: (p.communicate(timeout=150)[0], p.returncode) for i, p in procs.items()}
+    assert out[1][1] == 0 and out[1][0].startswith('dtnb doctor: healthy (2 nodes, 2 ranks)'), out
+    assert '[ok  ] rendezvous: all 2 ranks met at 10.77.0.1:' in out[1][0], out[1][0]
+    assert '[ok  ] link: node 0 <-> node 1 (10.77.0.1 <-> 10.77.0.2)' in out[1][0], out[1][0]
+    assert 'dtnb doctor: healthy (2 nodes, 2 ranks) (rank 0 printed the report)' in out[2][0], out[2]
