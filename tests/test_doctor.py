@@ -108,3 +108,24 @@ def test_under_torchrun_on_two_hosts(cluster):
     assert '[ok  ] rendezvous: all 2 ranks met at 10.77.0.1:' in out[1][0], out[1][0]
     assert '[ok  ] link: node 0 <-> node 1 (10.77.0.1 <-> 10.77.0.2)' in out[1][0], out[1][0]
     assert 'dtnb doctor: healthy (2 nodes, 2 ranks) (rank 0 printed the report)' in out[2][0], out[2]
+
+
+def test_two_ranks_on_one_node_under_torchrun_standalone(tmp_path):
+    "No namespaces needed: one node, two ranks; the link is the whole group's all-reduce"
+    tr = str(Path(sys.executable).parent / 'torchrun')
+    r = subprocess.run([tr, '--standalone', '--nproc-per-node', '2', DTNB, 'doctor', '--json', *MIN,
+                        '--checkpoint-dir', str(tmp_path / 'ckpt')], env=cpu_env(), cwd=ROOT, capture_output=True,
+                       text=True, timeout=150)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads(r.stdout)
+    assert d['verdict'] == 'healthy (1 node, 2 ranks)' and len(d['facts']) == 2, d
+    assert [l['ranks'] for l in d['measured']['links']] == [2] and d['measured']['clocks'] == {}, d['measured']
+    assert any(c['detail'].startswith('node 0 (') and f"at {tmp_path / 'ckpt'}" in c['detail']
+               for c in d['checks'] if c['name'] == 'checkpoint dir'), d['checks']
+
+
+def test_a_launch_without_a_rendezvous_address_is_refused_with_the_flags_that_pass_one(run_cli):
+    env = {'OMPI_COMM_WORLD_RANK': '0', 'OMPI_COMM_WORLD_SIZE': '2', 'OMPI_COMM_WORLD_LOCAL_SIZE': '1'}
+    r = run_cli('doctor', env=env, check=False, timeout=60)  # mpirun's variables, no MASTER_ADDR/MASTER_PORT
+    assert r.returncode == 2, r
+    assert 'MASTER_ADDR and MASTER_PORT are not set' in r.stderr and 'mpirun -x MASTER_ADDR' in r.stderr, r.stderr
