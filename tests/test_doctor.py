@@ -129,3 +129,16 @@ def test_a_launch_without_a_rendezvous_address_is_refused_with_the_flags_that_pa
     r = run_cli('doctor', env=env, check=False, timeout=60)  # mpirun's variables, no MASTER_ADDR/MASTER_PORT
     assert r.returncode == 2, r
     assert 'MASTER_ADDR and MASTER_PORT are not set' in r.stderr and 'mpirun -x MASTER_ADDR' in r.stderr, r.stderr
+
+
+def test_under_mpirun_with_no_rendezvous_variables():
+    "mpirun on one node: the rendezvous is 127.0.0.1 and a port from the job id, as init_distributed derives them"
+    from test_mpi import MPIRUN, MPI_OPTS, LAUNCH_VARS
+    if MPIRUN is None: pytest.skip("mpirun not found: install Open MPI (`apt-get install openmpi-bin`)")
+    env = cpu_env({k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS + ('MASTER_',))})
+    r = subprocess.run([MPIRUN, *MPI_OPTS, '-n', '2', DTNB, 'doctor', *MIN], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=150)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith('dtnb doctor: healthy (1 node, 2 ranks)\n[ok  ] rendezvous: all 2 ranks met at '
+                               '127.0.0.1:'), r.stdout
+    assert '[ok  ] link: all 2 ranks: busbw' in r.stdout and r.stdout.count('dtnb doctor:') == 1, r.stdout
