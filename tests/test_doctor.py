@@ -47,7 +47,7 @@ def test_healthy_two_hosts_say_so_with_the_interface_dtnb_chose(cluster):
 
 
 def test_a_host_advertising_loopback_is_named_with_the_interface_it_needs(cluster):
-    "GLOO_SOCKET_IFNAME=lo on host 2: both hosts get the verdict at once (no gloo mesh that would hang), rank 0 names it"
+    "GLOO_SOCKET_IFNAME=lo on host 2: both get the verdict at once (no gloo mesh that would hang); rank 0 names it"
     c = cluster(2)
     out = doctor_on(c, [1, 2], MIN, env={2: {'GLOO_SOCKET_IFNAME': 'lo'}})
     (rc1, text, t1), (rc2, line, _) = out[1], out[2]
