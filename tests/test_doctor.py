@@ -1,6 +1,7 @@
 """`dtnb doctor` on hosts made of network namespaces (tests/cluster.py): real processes on hosts with their own
 addresses, torch's TCPStore and a gloo group between them, links shaped with tc. The CPU is its subject (gloo, CPU
-tensors): each host's process runs under `cpu_env()`. Skips where namespaces cannot be made (not root)."""
+tensors): each host's process runs under `cpu_env()`. Those tests carry the `cluster` marker and skip where
+namespaces cannot be made (not root); the others run under torchrun --standalone and mpirun on this machine."""
 import json, os, subprocess, sys, time
 from pathlib import Path
 import pytest
@@ -29,6 +30,7 @@ def doctor_on(c, hosts, args=(), env=None, wait=120):
     return out
 
 
+@pytest.mark.cluster
 def test_healthy_two_hosts_say_so_with_the_interface_dtnb_chose(cluster):
     c = cluster(2)
     out = doctor_on(c, [1, 2], {1: MIN + ['--json'], 2: MIN})
@@ -46,6 +48,7 @@ def test_healthy_two_hosts_say_so_with_the_interface_dtnb_chose(cluster):
     assert line.strip() == 'dtnb doctor: healthy (2 nodes, 2 ranks) (rank 0 printed the report)', line
 
 
+@pytest.mark.cluster
 def test_a_host_advertising_loopback_is_named_with_the_interface_it_needs(cluster):
     "GLOO_SOCKET_IFNAME=lo on host 2: both get the verdict at once (no gloo mesh that would hang); rank 0 names it"
     c = cluster(2)
@@ -60,6 +63,7 @@ def test_a_host_advertising_loopback_is_named_with_the_interface_it_needs(cluste
     assert line.strip().startswith('dtnb doctor: 1 problem'), line
 
 
+@pytest.mark.cluster
 def test_an_unreachable_port_is_named_on_both_sides_within_the_timeout(cluster):
     "Host 2 looks for the rendezvous on another port: it says the port refused, host 1 names the rank that never came"
     c = cluster(2)
@@ -73,6 +77,7 @@ def test_an_unreachable_port_is_named_on_both_sides_within_the_timeout(cluster):
     assert max(t1, t2) < 10 + 45, (t1, t2)  # the timeout, plus starting Python and torch on a loaded machine
 
 
+@pytest.mark.cluster
 def test_a_cut_link_is_named_by_the_host_that_cannot_reach_the_rendezvous(cluster):
     c = cluster(2)
     c.cut(2)
@@ -81,6 +86,7 @@ def test_a_cut_link_is_named_by_the_host_that_cannot_reach_the_rendezvous(cluste
     assert 'no answer from 10.77.0.1:29500' in text or 'no route' in text, text
 
 
+@pytest.mark.cluster
 def test_a_shaped_slow_link_is_named(cluster):
     "Three hosts, host 3's link limited to 10 Mbit/s: its link fails the threshold and is named the slowest"
     c = cluster(3)
@@ -94,6 +100,7 @@ def test_a_shaped_slow_link_is_named(cluster):
     assert '[ok  ] slowest link: node 0 <-> node 2 (10.77.0.1 <-> 10.77.0.3)' in text, text
 
 
+@pytest.mark.cluster
 def test_under_torchrun_on_two_hosts(cluster):
     """Under torchrun's c10d rendezvous the ranks join the agent's store. The hostname resolves to 127.0.1.1 here, so
     torchrun cannot tell which agent hosts the rendezvous: `is_host` and `--local-addr` say it (torchrun's own need)"""
