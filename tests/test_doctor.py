@@ -2,7 +2,7 @@
 addresses, torch's TCPStore and a gloo group between them, links shaped with tc. The CPU is its subject (gloo, CPU
 tensors): each host's process runs under `cpu_env()`. Those tests carry the `cluster` marker and skip where
 namespaces cannot be made (not root); the others run under torchrun --standalone and mpirun on this machine."""
-import json, os, subprocess, sys, time
+import json, os, shutil, subprocess, sys, time
 from pathlib import Path
 import pytest
 from conftest import ROOT, cpu_env
@@ -149,3 +149,16 @@ def test_under_mpirun_with_no_rendezvous_variables():
     assert r.stdout.startswith('dtnb doctor: healthy (1 node, 2 ranks)\n[ok  ] rendezvous: all 2 ranks met at '
                                '127.0.0.1:'), r.stdout
     assert '[ok  ] link: all 2 ranks: busbw' in r.stdout and r.stdout.count('dtnb doctor:') == 1, r.stdout
+
+
+def test_a_small_dev_shm_and_a_full_checkpoint_disk_are_warned_with_their_fixes():
+    "A mount namespace whose /dev/shm is a 16 MiB tmpfs (a container's kind), checkpoints written there"
+    if os.geteuid() != 0 or not shutil.which('unshare'): pytest.skip("a private /dev/shm needs root and unshare")
+    sh = f'mount -t tmpfs -o size=16m tmpfs /dev/shm && exec {DTNB} doctor --checkpoint-dir /dev/shm/ckpt'
+    r = subprocess.run(['unshare', '-m', 'sh', '-c', sh], env=cpu_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=90)
+    assert r.returncode == 0, r.stdout + r.stderr  # warnings: the job would run
+    assert r.stdout.startswith('dtnb doctor: healthy, 2 warnings (1 node, 1 rank)'), r.stdout
+    assert '[WARN] /dev/shm: node 0 (' in r.stdout and 'free, under 1 GiB' in r.stdout, r.stdout
+    assert 'fix: docker run --shm-size=16g' in r.stdout, r.stdout
+    assert 'free at /dev/shm/ckpt, under 10 GiB' in r.stdout, r.stdout

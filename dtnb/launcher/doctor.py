@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, asdict
 from pathlib import Path
 from ..detection.env import parse_launch_env, LaunchEnv
 from .processes import _missing_address
+from ..core.utils import fmt_bytes
 from .network import advertised_address, socket_ifname_env, check_advertised, _is_loopback
 
 # %% auto #0
@@ -129,6 +130,7 @@ def check_addresses(facts:list) -> list[Check]:
 
 # %% ../../nbs/02c_launcher.doctor.ipynb #6681e4af
 GiB = 2**30
+def _size(n) -> str: return fmt_bytes(n, binary=True)
 
 def check_storage(facts:list, min_shm:float=1*GiB, min_disk:float=10*GiB) -> list[Check]:
     "Room in /dev/shm and at the checkpoint directory of every node"
@@ -138,16 +140,16 @@ def check_storage(facts:list, min_shm:float=1*GiB, min_disk:float=10*GiB) -> lis
         shm, disk, d = f['shm_free'], f['disk_free'], f['checkpoint_dir']
         if shm is None: out.append(Check('/dev/shm', 'warn', f"{host} has no /dev/shm", "DataLoader(num_workers=0)"))
         elif shm < min_shm:
-            out.append(Check('/dev/shm', 'warn', f"{host}: {shm / GiB:.2f} GiB free (< {min_shm / GiB:g})",
+            out.append(Check('/dev/shm', 'warn', f"{host}: {_size(shm)} free, under {_size(min_shm)}",
                              "docker run --shm-size=16g, or mount -o remount,size=16G /dev/shm"))
-        else: out.append(Check('/dev/shm', 'ok', f"{host}: {shm / GiB:.1f} GiB free"))
+        else: out.append(Check('/dev/shm', 'ok', f"{host}: {_size(shm)} free"))
         if not f['writable']: out.append(Check('checkpoint dir', 'fail', f"{host} cannot write {d}",
                                                "pass a checkpoint directory every node may write"))
         elif disk < min_disk:
             out.append(Check('checkpoint dir', 'warn',
-                             f"{host}: {disk / GiB:.2f} GiB free at {d} (< {min_disk / GiB:g})",
+                             f"{host}: {_size(disk)} free at {d}, under {_size(min_disk)}",
                              "free space there or point checkpoint_dir at a larger disk"))
-        else: out.append(Check('checkpoint dir', 'ok', f"{host}: {disk / GiB:.1f} GiB free at {d}"))
+        else: out.append(Check('checkpoint dir', 'ok', f"{host}: {_size(disk)} free at {d}"))
     return out
 
 # %% ../../nbs/02c_launcher.doctor.ipynb #79690987
