@@ -6,13 +6,12 @@ Docs: https://dtnb-dev.github.io/dtnb/launcher.doctor.html.md"""
 
 # %% ../../nbs/02c_launcher.doctor.ipynb #202ce0e1
 from __future__ import annotations
-import os, json, time, errno, socket, shutil, platform, datetime, contextlib, statistics
+import os, json, time, errno, socket, shutil, platform, datetime, ipaddress, contextlib, statistics
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 from ..detection.env import parse_launch_env, LaunchEnv
-from .processes import _missing_address
 from ..core.utils import fmt_bytes
-from .network import advertised_address, socket_ifname_env, check_advertised, _is_loopback
+from .network import advertised_address, socket_ifname_env, check_advertised
 
 # %% auto #0
 __all__ = ['GiB', 'Check', 'versions', 'advertised', 'storage', 'node_facts', 'check_versions', 'check_addresses',
@@ -44,6 +43,10 @@ def versions() -> dict:
     return dict(python=platform.python_version(), torch=torch.__version__, dtnb=dtnb.__version__, nccl=nccl)
 
 # %% ../../nbs/02c_launcher.doctor.ipynb #442bd2c5
+def _loopback(addr:str) -> bool:
+    with contextlib.suppress(ValueError): return ipaddress.ip_address(addr).is_loopback
+    return False
+
 def advertised(master_addr:str|None, nnodes:int, env:dict|None=None) -> dict:
     "The address and interface this node will advertise under dtnb, what plain torch would, and dtnb's variables"
     env, chosen, addr, problem = dict(os.environ if env is None else env), {}, '?', None
@@ -54,7 +57,7 @@ def advertised(master_addr:str|None, nnodes:int, env:dict|None=None) -> dict:
     except Exception as e: problem = str(e)  # NetworkError: no route, no such interface, loopback
     set_by = 'you' if env.get('GLOO_SOCKET_IFNAME') else 'dtnb' if 'GLOO_SOCKET_IFNAME' in chosen else 'hostname'
     return dict(address=addr, ifname={**env, **chosen}.get('GLOO_SOCKET_IFNAME'), plain=_plain(env), set_by=set_by,
-                env=chosen, loopback=_is_loopback(addr), problem=problem)
+                env=chosen, loopback=_loopback(addr), problem=problem)
 
 def _plain(env) -> str:
     "What torch alone (without dtnb's choice) would advertise"
@@ -377,7 +380,7 @@ def hosts_env(hosts:list[str], port:int=29500, node_rank:int|None=None) -> Launc
     "The place of this machine in `hosts`: one rank per host, rendezvous on the first"
     if node_rank is None:
         addrs = [_address_of(h) for h in hosts]
-        mine = [i for i, a in enumerate(addrs) if _own_address(a) and not (_is_loopback(a) and len(hosts) > 1)]
+        mine = [i for i, a in enumerate(addrs) if _own_address(a) and not (_loopback(a) and len(hosts) > 1)]
         if len(mine) != 1:
             raise ValueError(f"{'none' if not mine else 'several'} of the hosts {', '.join(hosts)} "
                              f"{'is an address' if not mine else 'are addresses'} of this machine: pass its place in "
@@ -412,7 +415,9 @@ def preflight(hosts:list[str]|None=None, # one process per host, each runs `pref
              ) -> DoctorReport:
     "Check this job's nodes before training: rendezvous, addresses, versions, storage, clocks, links; one verdict"
     le = hosts_env(hosts, port, node_rank) if hosts else parse_launch_env()
-    if le.world_size > 1 and not (le.master_addr and (le.master_port or hosts)): raise ValueError(_missing_address(le))
+    if le.world_size > 1 and not (le.master_addr and (le.master_port or hosts)):
+        raise ValueError(f"{le.launched_by} started {le.world_size} ranks without a rendezvous address: set "
+                         "MASTER_ADDR (the host of rank 0) and MASTER_PORT on every rank, as the job will need them")
     le.master_port = le.master_port or port
     mine, kw = node_facts(le, checkpoint_dir), dict(min_busbw=min_busbw, max_skew=max_skew)
     if le.world_size == 1: return _verdict([mine], {}, le, **kw)
