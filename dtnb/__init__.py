@@ -8,7 +8,7 @@ _API = '''
     detect DeviceReport parse_launch_env LaunchEnv
     ToyModel TinyTransformer toy_data toy_sequences find_blocks
     launch LaunchError init_distributed shutdown rank world_size local_rank is_main barrier rank0_first current_device
-    placement
+    placement preflight DoctorReport
     wrap make_optimizer apply_activation_checkpointing batchnorm_layers distributed_loader
     full_state_dict check_optimizer size_groups
     apply_pipeline Pipeline causal_lm_loss split_model PipelineSplit PipelineTimeline PipelineTimelines

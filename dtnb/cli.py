@@ -202,6 +202,30 @@ def _add_checkpoints(sub):
     x.add_argument('--dtype', choices=['fp32', 'bf16', 'fp16'], default='fp32')
     x.set_defaults(func=_export)
 
+# %% ../nbs/10_cli.ipynb #3795d0b4
+def _doctor(args):
+    from dtnb.launcher.doctor import preflight
+    r = preflight(hosts=args.hosts, port=args.port, node_rank=args.node_rank, checkpoint_dir=args.checkpoint_dir,
+                  timeout=args.timeout, nbytes=int(args.size), min_busbw=args.min_busbw)
+    if r.rank == 0 or not r.met: print(json.dumps(r.to_dict(), indent=2) if args.json else r)
+    elif not args.json and r.facts and r.facts[r.rank].get('local_rank') == 0:
+        print(f"dtnb doctor: {r.verdict} (rank 0 printed the report)")
+    return 0 if r.ok else 1
+
+def _add_doctor(sub):
+    d = sub.add_parser('doctor', help="before a multi-node job: rendezvous, addresses, versions, storage, clocks, "
+                                      "links; run it on every node")
+    d.add_argument('--hosts', type=lambda s: [h for h in s.split(',') if h], metavar='H1,H2,...',
+                   help="one process per host, the rendezvous on the first (default: the launcher's ranks)")
+    d.add_argument('--port', type=int, default=29500, help="rendezvous port on the first host (with --hosts)")
+    d.add_argument('--node-rank', type=int, help="this host's place in --hosts (default: found from its addresses)")
+    d.add_argument('--checkpoint-dir', default='.', help="where checkpoints will go: free disk is checked there")
+    d.add_argument('--timeout', type=float, default=30, help="seconds to wait for the other nodes")
+    d.add_argument('--size', type=_size, default=2**21, help="all-reduce size per link (default 2MiB)")
+    d.add_argument('--min-busbw', type=float, default=0.125, help="GB/s below which a link fails (default 0.125)")
+    d.add_argument('--json', action='store_true', help="print the report as JSON")
+    d.set_defaults(func=_doctor)
+
 # %% ../nbs/10_cli.ipynb #f9d14a9b
 def _shape(s):
     "An argparse type: '3,32,32' -> (3, 32, 32)"
@@ -230,6 +254,7 @@ def parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_loader(sub)
     _add_checkpoints(sub)
+    _add_doctor(sub)
     r = sub.add_parser('report', help="run the whole report on this machine: devices, strategies, loader, benchmarks")
     r.add_argument('--out', default='dtnb-report', help="folder for report.md, report.html, results.json and plots")
     r.add_argument('--quick', action='store_true', help="small sizes: about a minute on 2 CPU cores")

@@ -35,6 +35,7 @@ UNPINNED = {
     '00c_core.models': "model definitions, run where they are built",
     '02_launcher.failures': "error reports: no device",
     '02b_launcher.torchrun': "builds torchrun commands",
+    '02c_launcher.doctor': "one process in its cells (the multi-host runs are tests/test_doctor.py); gloo on CPU",
     '03c_parallel.pipeline_schedules': "pipeline schedules on paper",
     '04_plan.activations': "traces activations where the model is", '04a_plan.memory': "estimates from shapes",
     '04b_plan.recommend': "plans from shapes and this machine's report",
