@@ -8,6 +8,7 @@ from dtnb.data.loaders import SyntheticDataset, SyntheticIterable, SampleError, 
 from dtnb.data.steps import input_bound, RankStepProfiles, StepProfile
 from dtnb.data.tune import loader_trial, tune_loader, worker_limits, measure_sample_cost, loader_report
 from dtnb.launcher.processes import launch
+from dtnb.detection.device import usable_cores
 
 pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
@@ -190,7 +191,7 @@ def test_ddp_reports_every_rank_and_the_slowest(slow_rank, workers):
     assert slow.input_bound and fast.mean('data') < 0.5 * slow.mean('data'), (r0, r0.profiles)
     assert fast.mean('compute') > slow.mean('compute'), (r0, r0.profiles)  # the fast rank waits for the slow one in the all-reduce
     assert r0.verdict.startswith(f'rank {slow_rank} is input-bound')
-    assert (ranks0, cores0) == (2, max(1, psutil.cpu_count() // 2)) == (ranks1, cores1)  # each rank's share of the cores
+    assert (ranks0, cores0) == (2, max(1, usable_cores() // 2)) == (ranks1, cores1)  # each rank's share of the cores
     assert children() == []
 
 

@@ -12,7 +12,7 @@ def test_real_detection_on_this_machine():
     assert r.backends['gloo'] is True
     assert r.launch.launcher is None and r.launch.world_size == 1
     assert r.in_notebook is False
-    assert r.host['ram'] > 2**30 and r.host['usable_cores'] >= 1
+    assert r.host['ram'] > 0 and r.host['usable_cores'] >= 1
     assert r.recommended['backend'] in ('gloo', 'nccl', 'xccl')
 
 
