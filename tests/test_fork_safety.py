@@ -82,8 +82,13 @@ def test_the_thread_pool_matters_only_for_ranks_of_more_than_one_thread():
     out = _run("""
         torch.set_num_threads(2)
         a = torch.randn(1024, 1024); a @ a   # starts OpenMP's pool (where torch uses OpenMP)
-        print(json.dumps(dict(one=fork_hazards(1), two=fork_hazards(2),
+        def nthreads(): return torch.get_num_threads()
+        (n1,), says1 = launch(nthreads, nprocs=1)              # forked: one thread each, which never uses the pool
+        (n2,), says2 = launch(nthreads, nprocs=1, threads=2)   # two asked for: spawned, saying why
+        print(json.dumps(dict(one=fork_hazards(1), two=fork_hazards(2), n1=n1, n2=n2, says1=says1, says2=says2,
                               omp='OpenMP' in torch.__config__.parallel_info())))
     """)
-    assert out['one'] == [], out
-    if out['omp']: assert any('thread pool' in h for h in out['two']), out
+    assert out['one'] == [] and out['says1'] == [] and out['n2'] == 2, out
+    if out['omp']:
+        assert any('thread pool' in h for h in out['two']) and out['n1'] == 1, out
+        assert len(out['says2']) == 1 and 'thread pool' in out['says2'][0], out

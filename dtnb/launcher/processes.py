@@ -311,7 +311,7 @@ def _placement(nprocs, backend, device):
 def _threads_per_rank(nprocs, threads, method):
     n = threads or max(1, usable_cores() // nprocs)
     if method == 'fork' and threads is None and n > 1 and any('thread pool' in h for h in fork_hazards(n)):
-        n = 1  # fork asked for: a forked child's first multi-threaded op can deadlock on the parent's OpenMP pool
+        n = 1  # a forked child's first multi-threaded op can deadlock on the parent's OpenMP pool: threads=N spawns
     return n
 
 def _cpu_oversubscription(nprocs, threads, cores) -> str|None:
@@ -409,7 +409,7 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
     backend, device = _placement(nprocs, backend, device)
     backend = check_backend(backend)
     if device: env = {**(env or {}), 'DTNB_DEVICE': device}
-    method = _start_method(start_method, threads or max(1, usable_cores() // nprocs))
+    method = _start_method(start_method, threads or 1)  # threads=None: forked ranks get 1 while a pool runs
     if port is not None: check_port(port)
     if (why := _cpu_oversubscription(nprocs, threads, usable_cores())): warnings.warn(why, stacklevel=2)
     pg_timeout = 600 if timeout is None else timeout + 60  # launch's own timeout reports first, with stacks
