@@ -206,8 +206,10 @@ def test_rank_profiles_from_separate_runs():
 
 def test_loader_report_quick():
     rep = loader_report(SyntheticDataset(512, cost_ms=2, mode='sleep'), batch_size=16, quick=True)
-    assert rep.before.input_bound and rep.tuning.best.settings['num_workers'] >= 2
-    assert rep.after.fraction('data') < rep.before.fraction('data'), rep
+    cap = rep.tuning.limits['max_workers']   # the usable cores: 1 under `taskset -c 0`
+    assert rep.before.input_bound and rep.tuning.best.settings['num_workers'] >= min(2, cap), rep.tuning.limits
+    if rep.settings:   # the tuner changed the loader: it waits less for data per step (on sleeping samples
+        assert rep.after.mean('data') < rep.before.mean('data'), rep   # the fraction stays near 1 either way)
     assert children() == []
 
 
