@@ -10,7 +10,8 @@ import math, re
 from dataclasses import dataclass
 from ..core.specs import DeviceSpec, device_spec
 from ..core.utils import PRECISIONS, md_table, text_table, fmt_bytes
-from ..plan.memory import TransformerShape, recommend
+from ..plan.memory import TransformerShape
+from ..plan.recommend import recommend
 from .collectives import busbw_factor
 from ..parallel.pipeline_schedules import bubble_fraction
 from .throughput import step_flops, default_loss, PRICE_EXAMPLES
@@ -44,13 +45,13 @@ def bus_bytes(collectives:list, n:int) -> float:
 # %% ../../nbs/07c_bench.forecast.ipynb #404b3042
 def flops_per_sample(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
                      batch=None, # with a model: one device's batch, counted by `step_flops`
-                     checkpoint:bool=False, loss_fn=None) -> tuple[float, int, str]:
+                     activation_checkpointing:bool=False, loss_fn=None) -> tuple[float, int, str]:
     "(training FLOPs of one sample, samples in one device's micro-batch, how they were counted)"
     if isinstance(model, TransformerShape):
         s, L, h, v = model.seq_len, model.layers, model.hidden, model.vocab
-        f = (96 if checkpoint else 72) * s * L * h * h * (1 + s / (6 * h) + v / (12 * h * L))
+        f = (96 if activation_checkpointing else 72) * s * L * h * h * (1 + s / (6 * h) + v / (12 * h * L))
         return f, model.batch, "Megatron-LM's formula (Narayanan et al. 2021, eq. 3)"
-    rc = 4 / 3 if checkpoint else 1
+    rc = 4 / 3 if activation_checkpointing else 1
     if hasattr(model, 'parameters'):
         if batch is None: raise ValueError("A model needs batch= (one device's example batch) to count its FLOPs")
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
@@ -160,7 +161,7 @@ def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, los
         if strategy: row |= dict(plan=strategy, reason=f"{strategy} does not fit in {fmt_bytes(plan.budget)}")
         return row | dict(fits=False)
     e = plan.estimates[chosen]; row['plan'] = e.label
-    fps, mb, _ = flops_per_sample(model, batch, e.checkpoint, loss_fn)
+    fps, mb, _ = flops_per_sample(model, batch, e.activation_checkpointing, loss_fn)
     compute, comm, bubble, off, per_step = _step(t, e, fps, mb, shape, eff, microbatches)
     step = compute + comm + bubble + off
     steps = math.ceil(work / per_step)

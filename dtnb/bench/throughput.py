@@ -143,13 +143,13 @@ def predict_sync_seconds(strategy:str, nbytes:float, n:int, busbw_gbs:float) -> 
 # %% ../../nbs/07b_bench.throughput.ipynb #92f4cc39
 def scaling_rank(model_fn, batch, strategy:str='ddp', steps:int=10, warmup:int=3, loss_fn=None, amp=None) -> dict:
     "Run inside every rank: median step time of `model_fn()` wrapped for `strategy`, and for DDP without grad sync"
-    from dtnb.launcher.processes import current_device, world_size
+    from dtnb.core.dist import current_device, world_size
     device, n = current_device(), world_size()
     torch.manual_seed(0)
     model = model_fn().to(device)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if n > 1:
-        from dtnb.parallel.ddp import wrap
+        from dtnb.parallel.wrap import wrap
         model = wrap(model, strategy)
     x, y = (None if t is None else t.to(device) for t in _split(batch))
     opt, loss_fn = torch.optim.SGD(model.parameters(), lr=1e-4), loss_fn or default_loss

@@ -14,8 +14,8 @@ from torch.utils import _pytree as pytree
 # %% auto #0
 __all__ = ['DTYPES', 'PRECISIONS', 'md_table', 'text_table', 'fmt_bytes', 'parse_size', 'percentile', 'in_notebook',
            'progress_bar', 'tree_map_tensors', 'tensors', 'to_device', 'cast_inputs', 'cpu_pinned', 'accelerators',
-           'accelerator_type', 'default_device', 'synchronize', 'placement', 'require_group', 'broadcast_from_rank0',
-           'all_gather_objects', 'dtype_name', 'as_dtype', 'check_precision', 'autocast', 'shard_numel']
+           'accelerator_type', 'default_device', 'synchronize', 'placement', 'dtype_name', 'as_dtype',
+           'check_precision', 'autocast', 'shard_numel']
 
 # %% ../../nbs/00_core.utils.ipynb #2c24aabb
 def md_table(header, rows) -> str:
@@ -141,31 +141,6 @@ def placement(device:str|None):
     finally:
         if before is None: os.environ.pop('DTNB_DEVICE', None)
         else: os.environ['DTNB_DEVICE'] = before
-
-# %% ../../nbs/00_core.utils.ipynb #782b4b0d
-def require_group(what:str) -> None:
-    "Raise an error naming `what` and how to start a process group, unless one is initialised"
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        raise RuntimeError(f"{what} needs a process group: run it inside dtnb.launch(...), or call "
-                           "dtnb.init_distributed() first (under torchrun, srun or `dtnb launch`)")
-
-def broadcast_from_rank0(obj, group=None):
-    "`obj` as rank 0 of `group` (default: all ranks) has it, on every rank of the group"
-    import torch.distributed as dist
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1: return obj
-    group = group or dist.group.WORLD
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
-
-def all_gather_objects(obj) -> list:
-    "`obj` from every rank, in rank order (`all_gather_object`); `[obj]` in one process"
-    import torch.distributed as dist
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1: return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 # %% ../../nbs/00_core.utils.ipynb #e908833f
 DTYPES = dict(fp64=torch.float64, fp32=torch.float32, tf32=torch.float32, bf16=torch.bfloat16,

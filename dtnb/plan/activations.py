@@ -44,7 +44,8 @@ class ActivationTrace:
     units: int         # units found
     fake: bool = True  # traced under FakeTensorMode (True) or measured on real tensors
 
-    def bytes(self, checkpoint:bool=False) -> int: return self.checkpointed if checkpoint else self.saved
+    def bytes(self, activation_checkpointing:bool=False) -> int:
+        return self.checkpointed if activation_checkpointing else self.saved
 
 # %% ../../nbs/04_plan.activations.ipynb #177effce
 def _sid(t): return t.untyped_storage()._cdata  # one id per storage: views of a tensor share it
@@ -122,8 +123,8 @@ def _prepare(model, batch, precision, fake):
 def trace_activations(model, # an `nn.Module`; it is not changed, and nothing of its size is allocated
                       batch, # an example batch per device: tensor, tuple (last item the target with `loss_fn`) or dict
                       loss_fn=None, # `loss_fn(output, target)`; without it the output is the end of the graph
-                      precision:str='fp32', # a name in `dtnb.core.utils.PRECISIONS`: 'fp32', 'bf16-mixed', 'bf16-true', ...
-                      units=None, # module classes (or names) to checkpoint; default: `find_blocks(model)`
+                      precision:str='fp32', # a name in `PRECISIONS`: 'fp32', 'bf16-mixed', 'bf16-true', ...
+                      units=None, # module classes (or names) to recompute; default: `find_blocks(model)`
                       fake:bool=True, # trace under FakeTensorMode (no memory); False runs the real forward
                      ) -> ActivationTrace:
     "Bytes of activations the forward of `model` on `batch` keeps for backward, traced without allocating them"

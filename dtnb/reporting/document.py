@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/reporting.document.html.md"""
 
 # %% ../../nbs/08_reporting.document.ipynb #915fc483
 from __future__ import annotations
-import math, json, html, importlib
+import math, json, html
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 from ..core.utils import fmt_bytes
@@ -40,12 +40,6 @@ def fold(table:str, rows:int, what:str='rows', limit:int=12) -> str:
 GAIN = 1.05  # a parallel strategy is recommended for speed only when it measured at least this speed-up
 _SECTIONS = ('plan', 'training', 'loader', 'bench')  # what the summary reads
 
-def _api(name):
-    "A dtnb function wherever nbdev's index says it is defined (modules split without changing this one)"
-    from dtnb._modidx import d
-    mod = next(m for m, syms in d['syms'].items() if f'{m}.{name}' in syms)
-    return getattr(importlib.import_module(mod), name)
-
 def _speedups(training) -> dict:
     "Samples/s of each parallel strategy over one process's, from the training section's runs"
     runs = (training or {}).get('runs', {})
@@ -55,7 +49,7 @@ def _speedups(training) -> dict:
 def _fits_one(plan) -> bool:
     "Whether the planner found that the model fits on one device"
     single = next(e for e in plan['estimates']
-                  if e['strategy'] == 'single' and not e['checkpoint'] and not e['offload'])
+                  if e['strategy'] == 'single' and not e['activation_checkpointing'] and not e['offload'])
     return single['total'] <= plan['budget']
 
 def _busbw(bench, nbytes):
@@ -72,7 +66,8 @@ def _sync_reasons(data, n) -> list:
     one, grad = training.get('runs', {}).get('single', {}), training.get('grad_bytes')
     bw = _busbw(bench, grad or 0)
     if grad and bw and one.get('steps'):
-        sync, step = _api('predict_sync_seconds')('ddp', grad, n, bw), one['seconds'] / one['steps']
+        from dtnb.bench.throughput import predict_sync_seconds  # imports torch: only when there is something to say
+        sync, step = predict_sync_seconds('ddp', grad, n, bw), one['seconds'] / one['steps']
         out.append(f"syncing {fmt_bytes(grad)} of gradients at the measured all-reduce busbw ({bw:.2g} GB/s) takes "
                    f"about {sync * 1e3:.2g} ms per step, {'more than' if sync > step else 'a part of'} the "
                    f"{step * 1e3:.2g} ms of a whole step in one process")

@@ -10,9 +10,9 @@ import inspect, warnings
 from collections.abc import Mapping
 import torch
 from torch import nn
-from ..launcher.processes import world_size, current_device
-from ..core.utils import to_device, tree_map_tensors, tensors, autocast, all_gather_objects, cast_inputs
-from ..parallel.pipeline_split import _logits  # a Hugging Face output's .logits
+from ..core.dist import world_size, current_device, all_gather_objects
+from ..core.utils import to_device, tree_map_tensors, tensors, autocast, cast_inputs
+from ..parallel.pipeline_split import output_logits  # a Hugging Face output's .logits
 
 # %% auto #0
 __all__ = ['evaluate']
@@ -62,7 +62,7 @@ def _loss(out, y, loss_fn, batch):
     if y is None:
         raise ValueError(f"no loss for a batch of {_describe(batch)}: no targets in it and no .loss in the model's "
                          f"output: {_FIX}")
-    pred, fn = _logits(out), loss_fn or nn.functional.mse_loss
+    pred, fn = output_logits(out), loss_fn or nn.functional.mse_loss
     if fn in _REGRESSION and isinstance(pred, torch.Tensor) and isinstance(y, torch.Tensor):
         name = fn.__name__ + ('' if loss_fn else ' (the default loss_fn)')
         if not y.is_floating_point():
@@ -81,7 +81,7 @@ def _forward(model, batch, loss_fn=None, step_fn=None, keys=None):
         return tuple(r) if isinstance(r, (tuple, list)) else (r, None, None)
     (args, kwargs), y = _split(model, batch, keys)
     out = model(*args, **kwargs)
-    return _loss(out, y, loss_fn, batch), _logits(out), y
+    return _loss(out, y, loss_fn, batch), output_logits(out), y
 
 def _batch_size(batch) -> int:
     "Samples in a batch: the first dimension of its first tensor"

@@ -10,7 +10,7 @@ import os, time, contextlib, warnings
 from dataclasses import dataclass, field, asdict
 import torch
 from torch import nn
-from ..launcher.processes import world_size, is_main, current_device
+from ..core.dist import world_size, is_main, current_device
 from ..core.utils import md_table, text_table, to_device, progress_bar, check_precision, autocast
 from .batches import _cast_inputs, _forward, _batch_size, _check_loader, _check_fp16, _as_metrics, evaluate
 from .batches import _pipeline_args, _check_pipeline_validation

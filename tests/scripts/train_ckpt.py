@@ -9,15 +9,17 @@ complete checkpoint. The main rank writes the final parameters to `--out` and pr
 import argparse, json, os, signal
 import torch
 from torch import nn
-from dtnb.launcher.processes import init_distributed, shutdown, rank, is_main, world_size
-from dtnb.parallel.ddp import wrap, distributed_loader
+from dtnb.launcher.processes import init_distributed, shutdown
+from dtnb.core.dist import rank, is_main, world_size
+from dtnb.parallel.ddp import distributed_loader
+from dtnb.parallel.wrap import wrap
 from dtnb.core.models import ToyModel, toy_data
 from dtnb.train.loop import fit
 from dtnb.train.export import export_model
 
 
 def train(steps=12, every=3, dir=None, out=None, kill_at=0, kill_rank=1) -> dict:
-    "Train DDP ToyModel for `steps` with checkpoints in `dir`; export the final parameters to `out`; returns what fit did"
+    "Train DDP ToyModel for `steps` with checkpoints in `dir`; export the final parameters to `out`: fit's result"
     init_distributed()
     attempt = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))
     torch.manual_seed(0)
