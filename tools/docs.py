@@ -287,7 +287,8 @@ def sources_digest() -> str:
     h = hashlib.sha256()
     for p in _notebooks():
         cells = json.loads(p.read_text())['cells']
-        h.update(json.dumps([str(p.relative_to(NBS))] + [[c['cell_type'], ''.join(c['source'])] for c in cells]).encode())
+        src = [str(p.relative_to(NBS))] + [[c['cell_type'], ''.join(c['source'])] for c in cells]
+        h.update(json.dumps(src).encode())
     return h.hexdigest()
 
 
