@@ -13,8 +13,9 @@ own shapes, as a user measures their model where they have it (`bench_model`) be
 rank the prediction is then within 30% (this checks the plumbing: the same FLOPs, peak and efficiency). On 2 ranks
 `predict` adds the plan and DDP's all-reduce (the ZeRO paper's volume over the measured busbw, checked exactly), and
 its step is a lower bound, not an estimate within 30%: two CPU ranks of one machine measured 1.3-1.7x the prediction
-here (predicted/measured 0.60-0.76 over 5 runs; e.g. 34 ms for 20.6 predicted: 16.0 compute, 4.6 all-reduce), because predict models neither DDP's gradient bucket
-copies nor two ranks sharing one memory system and its cores with gloo's threads. Its real accuracy for such ranks is
+here (predicted/measured 0.60-0.76 over 5 runs; e.g. 34 ms for 20.6 predicted: 16.0 compute, 4.6 all-reduce),
+because predict models neither DDP's gradient bucket copies nor two ranks sharing one memory system and its cores
+with gloo's threads. Its real accuracy for such ranks is
 "no faster than predicted", which is what is tested; GPUs, each with its own memory, are what `predict` is for.
 
 An efficiency measured on *another* model does not carry, which is why this test no longer borrows one. A CPU step is
