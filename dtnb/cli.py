@@ -70,7 +70,7 @@ def _plan(args):
                          "(--layers --hidden --heads --seq-len)")
     if args.predict: return _predict(args, shape)
     if args.strategy:
-        r = estimate_memory(model, args.strategy, args.world_size or 1, args.optimizer, args.precision or 'fp32',
+        r = estimate_memory(model, args.strategy, args.world_size or 1, args.optimizer, args.precision,
                             shape=shape,
                             activation_checkpointing=args.activation_checkpointing, offload=args.offload)
     else:
@@ -122,7 +122,7 @@ def _add_plan(sub):
     p.add_argument('--world-size', type=int, help="devices (default: this machine's accelerators, else 1)")
     p.add_argument('--optimizer', default='adamw', choices=['sgd', 'momentum', 'adam', 'adamw'])
     p.add_argument('--precision', choices=['fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true', 'zero-mixed'],
-                   help="default: bf16-mixed (autocast) where the device computes bf16 fast, else fp32")
+                   help="default: fp32 (DEFAULT_PRECISION, as in fit and the planner)")
     p.add_argument('--memory', type=_size, help="per device: 80GB, 80GiB or bytes (8e10); default: detected")
     p.add_argument('--margin', type=float, default=0.1, help="fraction of device memory kept free")
     p.add_argument('--strategy', help="print the one estimate of this strategy instead of the plan: "

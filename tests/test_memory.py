@@ -173,7 +173,7 @@ def test_recommend_reads_this_machine():
 
 def test_explorer_follows_its_controls():
     shape = TransformerShape(layers=8, hidden=1024, heads=16, seq_len=512, batch=2)
-    w = memory_explorer(shape, world_size=16, strategy='fsdp')
+    w = memory_explorer(shape, world_size=16, strategy='fsdp', precision='zero-mixed')
     ctl = {c.description: c for c in w.kwargs_widgets}
     assert w.result == estimate_memory(shape.params(), 'zero3', 16, 'adamw', 'zero-mixed', shape=shape)
     ctl['devices'].value, ctl['precision'].value, ctl['micro-batch'].value = 4, 'fp32', 8

@@ -189,7 +189,7 @@ def zero1_fit(ckpt_dir):
         model = wrap(ToyModel(), 'zero1')
         o = make_optimizer(model, torch.optim.AdamW, lr=1e-2)
         dl = distributed_loader(toy_data(256), global_batch_size=16, shuffle=False)
-        runs.append(fit(model, dl, o, max_steps=steps, progress=False, checkpoint_dir=ckpt_dir, every=2))
+        runs.append(fit(model, dl, o, max_steps=steps, progress=False, checkpoint_dir=ckpt_dir, checkpoint_every=2))
     return msg, [(r.start_step, r.losses) for r in runs]
 
 

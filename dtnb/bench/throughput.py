@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from ..detection.device import detect
 from ..core.utils import DTYPES, dtype_name, autocast, progress_bar
-from .compute import (BenchResult, time_fn, summarize, resolve_device, device_info, throughput_unit,
+from .compute import (BenchResult, time_fn, summarize_times, resolve_device, device_info, throughput_unit,
                         bench_matmul, bench_memory)
 from .collectives import bench_collectives
 
@@ -118,7 +118,7 @@ def bench_model(model, batch,                  # a tensor, or an (inputs, target
     name = _compute_dtype(model, amp, device)
     flops = step_flops(model, (x, y), loss_fn, amp)
     times = time_fn(lambda i: _train_step(model, opt, loss_fn, x, y, amp, device), device, steps, warmup)
-    st, peak = summarize(times), _measured_peak(matmul_peak, name, device)
+    st, peak = summarize_times(times), _measured_peak(matmul_peak, name, device)
     summary = _model_summary(x.shape[0], _tokens_per_sample(x, tokens), st, flops, name, info, peak, device)
     rows = [dict(stat=k, ms=st[k] * 1e3) for k in ('min', 'p10', 'median', 'mean', 'p90', 'max')]
     cfg = dict(model=type(model).__name__, batch=list(x.shape), steps=steps, warmup=warmup, amp=amp,

@@ -10,7 +10,7 @@ import gc, copy
 from dataclasses import dataclass, asdict, field
 import torch
 from ..core.utils import tree_map_tensors, tensors, autocast, synchronize, parse_size, fmt_bytes, md_table, text_table
-from ..core.utils import accelerators, cast_inputs
+from ..core.utils import accelerators, cast_inputs, DEFAULT_PRECISION
 from ..detection.device import detect
 from .activations import forward_batch
 from .memory import check_setup, estimate_memory
@@ -165,7 +165,7 @@ def find_batch_size(model,                  # the nn.Module to train (not change
                     strategy:str='single',  # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp')
                     world_size:int=1,       # devices the model is trained on
                     optimizer:str='adamw',
-                    precision:str='fp32',   # 'fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true'
+                    precision:str=DEFAULT_PRECISION,   # 'fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true'
                     loss_fn=None,           # loss_fn(output, target) with (x, y) samples; else the output is summed
                     memory=None,            # bytes per device (or '64MB'); default: accelerator, else RAM ÷ ranks
                     activation_checkpointing:bool=False,  # activation checkpointing of each block (estimate)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from ..core.utils import tensors, to_device, autocast, synchronize, md_table, text_table, cast_inputs
+from ..core.utils import DEFAULT_PRECISION
 from ..launcher.processes import launch
 from ..core.dist import current_device, rank_world
 from ..parallel.ddp import make_optimizer
@@ -153,7 +154,7 @@ def measure_memory(model, # the `nn.Module` to train one step (a copy is trained
                    strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp') or 'pipeline'
                    world_size:int=1, # ranks to launch (1: in this process)
                    optimizer:str='adamw',
-                   precision:str='fp32', # 'fp32', 'bf16-mixed', 'fp16-mixed' (autocast) or 'bf16-true'
+                   precision:str=DEFAULT_PRECISION, # 'fp32', 'bf16-mixed', 'fp16-mixed' (autocast) or 'bf16-true'
                    loss_fn=None, # `loss_fn(output, target)`; without it the output (or its `.loss`) is summed
                    units=None, # module classes to shard and checkpoint as units (default: `find_blocks`)
                    lr:float=1e-3, timeout:float|None=300, # seconds before the ranks are stopped

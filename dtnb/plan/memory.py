@@ -8,7 +8,7 @@ Docs: https://dtnb-dev.github.io/dtnb/plan.memory.html.md"""
 from __future__ import annotations
 import math
 from dataclasses import dataclass, asdict
-from ..core.utils import PRECISIONS, check_precision, shard_numel, fmt_bytes, md_table, text_table
+from ..core.utils import PRECISIONS, DEFAULT_PRECISION, check_precision, shard_numel, fmt_bytes, md_table, text_table
 from ..core.models import find_blocks
 from .activations import ActivationTrace, trace_activations
 from ..parallel.pipeline_split import split_model, chain_problem, trace_stages
@@ -32,10 +32,10 @@ def _check_optimizer(optimizer):
         raise ValueError(f"optimizer={optimizer!r} is not one of {', '.join(map(repr, OPTIMIZERS))}")
     return v
 
-def optimizer_bytes(optimizer:str='adamw', precision:str='zero-mixed') -> int:
+def optimizer_bytes(optimizer:str='adamw', precision:str=DEFAULT_PRECISION) -> int:
     "Optimizer state bytes per parameter (ZeRO's K): fp32 master copy plus the optimizer's own states"
-    _, _, master, state, _, _ = PRECISIONS[check_precision(precision)]
-    return master + OPTIMIZERS[_check_optimizer(optimizer)] * state
+    p = PRECISIONS[check_precision(precision)]
+    return p.master + OPTIMIZERS[_check_optimizer(optimizer)] * p.optimizer_state
 
 # %% ../../nbs/04a_plan.memory.ipynb #031cde67
 @dataclass
@@ -215,12 +215,14 @@ def _activations(model, sizes, batch, loss_fn, shape, activations, precision, ac
             raise ValueError("batch= needs a model to trace; with a parameter count give shape=TransformerShape(...) "
                              "instead")
         return trace_activations(model, batch, loss_fn, precision, units).bytes(activation_checkpointing), 'traced'
-    if shape is not None: return shape.activation_bytes(PRECISIONS[precision][4], activation_checkpointing), 'formula'
+    if shape is not None:
+        return shape.activation_bytes(PRECISIONS[precision].activations, activation_checkpointing), 'formula'
     return None, 'not estimated'
 
 def _temporary(strategy, optimizer, precision, params, trainable, unit, opt_elems):
     "Approximate bytes of (communication, optimizer) buffers that live only during the step (see the list above)"
-    _, gb, _, sb, cb, _ = PRECISIONS[precision]
+    p = PRECISIONS[precision]
+    gb, sb, cb = p.grads, p.optimizer_state, p.activations
     comm = dict(single=0, ddp=trainable * gb, zero1=0, zero2=(params + (unit or 0)) * cb,
                 zero3=3 * (unit or 0) * cb, pipeline=0)[strategy]  # a pipeline sends activations, not model states
     return comm, (opt_elems * sb if OPTIMIZERS[optimizer] == 2 else 0)
@@ -251,7 +253,7 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
                     strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp'), or 'pipeline'
                     world_size:int=1, # devices (ranks) the model is trained on; a pipeline's stages
                     optimizer:str='adamw', # 'sgd', 'momentum', 'adam' or 'adamw'
-                    precision:str='fp32', # 'fp32', 'bf16-mixed' (autocast), 'zero-mixed' (ZeRO's), 'bf16-true'...
+                    precision:str=DEFAULT_PRECISION, # 'fp32', 'bf16-mixed' (autocast), 'zero-mixed' (ZeRO's)...
                     batch=None, # example batch per device, to trace the activations (needs a model)
                     loss_fn=None, # loss for the traced batch: `loss_fn(output, target)`
                     shape:TransformerShape|None=None, # transformer shapes, for the activation formula
@@ -276,7 +278,7 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
     if strategy == 'pipeline' and sizes: sizes = stage_sizes(model, world_size, rank, example)  # the stage's own
     trainable = sizes.trainable if sizes else psi
     p, g, o = _state_elements(sizes, psi, strategy, world_size, rank)
-    pb, gb = PRECISIONS[precision][:2]
+    pb, gb = PRECISIONS[precision].params, PRECISIONS[precision].grads
     adam_steps = sizes and OPTIMIZERS[optimizer] == 2  # torch's Adam: a 4-byte step per tensor it holds state for
     steps = 4 * _state_tensors(sizes, strategy, world_size, rank) if adam_steps else 0
     dev = dict(parameters=p * pb + (sizes.buffer_bytes if sizes else 0), gradients=g * gb,

@@ -7,7 +7,7 @@ Docs: https://dtnb-dev.github.io/dtnb/plan.recommend.html.md"""
 # %% ../../nbs/04b_plan.recommend.ipynb #7c8dc904
 from __future__ import annotations
 from dataclasses import dataclass, replace
-from ..core.utils import PRECISIONS, fmt_bytes, md_table, text_table
+from ..core.utils import PRECISIONS, DEFAULT_PRECISION, fmt_bytes, md_table, text_table
 from ..core.models import find_blocks
 from .activations import trace_activations
 from ..parallel.pipeline_split import pipeline_units
@@ -70,7 +70,7 @@ class MemoryPlan:
         extra = ", loss_fn=loss_fn" if self.strategy == 'pipeline' else ''
         opt = dict(sgd='SGD', momentum='SGD', adam='Adam', adamw='AdamW')[e.optimizer]
         p = {'zero-mixed': 'bf16-mixed'}.get(e.precision, e.precision)  # torch trains ZeRO's 16 bytes as autocast
-        prec = '' if p == 'fp32' else f", precision={p!r}"
+        prec = '' if p == DEFAULT_PRECISION else f", precision={p!r}"
         return (f"model = dtnb.wrap(model, {self.strategy!r}{opts}{extra})\n"
                 f"optimizer = dtnb.make_optimizer(model, torch.optim.{opt}, lr=...)\n"
                 f"dtnb.fit(model, loader, optimizer{prec})")
@@ -130,7 +130,7 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
               report=None, # a `DeviceReport`; default: `detect()`
               world_size:int|None=None, # devices to plan for; default: the report's accelerators, else 1
               optimizer:str='adamw',
-              precision:str|None=None, # default: 'bf16-mixed' (or 'fp16-mixed') where the report recommends it
+              precision:str=DEFAULT_PRECISION, # to train in; `precision_for(dtype)` names a device's fast one
               loss_fn=None, # loss for the traced batch
               shape:TransformerShape|None=None, # transformer shapes, for the activation formula
               memory:int|float|None=None, # bytes per device, instead of the report's
@@ -147,8 +147,6 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
     else: device = 'given'
     if not memory:
         raise ValueError("The device memory is unknown (psutil missing?): pass memory= in bytes, e.g. memory=80e9")
-    fast = report.recommended['dtype'] if report is not None else None  # autocast where the device computes half fast
-    precision = precision or {'bf16': 'bf16-mixed', 'fp16': 'fp16-mixed'}.get(fast, 'fp32')
     kw = dict(optimizer=optimizer, precision=precision, shape=shape, units=units)
     if batch is not None: kw['activations'] = trace_activations(model, batch, loss_fn, precision, units)
     single = estimate_memory(model, 'single', 1, **kw)
@@ -178,7 +176,7 @@ def memory_explorer(model=7.5e9, # an `nn.Module`, a parameter count, or a `Tran
                     shape:TransformerShape|None=None, # transformer shapes: adds a micro-batch slider
                     batch=None, # example batch to trace (with a model)
                     loss_fn=None, world_size:int=8, strategy:str='ddp', optimizer:str='adamw',
-                    precision:str='zero-mixed'):
+                    precision:str=DEFAULT_PRECISION):
     "An ipywidgets explorer of `estimate_memory`: change world size, dtype, batch or strategy and the table follows"
     import ipywidgets as W
     if isinstance(model, TransformerShape): model, shape = model.params(), shape or model

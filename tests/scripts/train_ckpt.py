@@ -36,7 +36,8 @@ def train(steps=12, every=3, dir=None, out=None, kill_at=0, kill_rank=1) -> dict
             os.kill(os.getpid(), signal.SIGKILL)
         return nn.functional.mse_loss(out + 0.05 * torch.randn_like(out), y)
 
-    res = fit(model, loader, opt, loss_fn, epochs=3, max_steps=steps, progress=False, checkpoint_dir=dir, every=every)
+    res = fit(model, loader, opt, loss_fn, epochs=3, max_steps=steps, progress=False, checkpoint_dir=dir,
+              checkpoint_every=every)
     export_model(out, model)
     return dict(attempt=attempt, world_size=world_size(), steps=res.steps, start_step=res.start_step,
                 resumed_from=res.resumed_from, losses=res.losses)
