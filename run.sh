@@ -2,7 +2,7 @@
 # The two commands of the README:
 #   bash run.sh main   set up .venv and run the main job (dtnb report --quick, written to dtnb-report/)
 #   bash run.sh test   set up .venv, install mpirun and Chromium where it can (test_deps), run every test
-#                      (nbdev-test through tools/test_notebooks.sh, then pytest tests/)
+#                      (nbdev-test through tools/test_notebooks.sh, the docs site from its outputs, then pytest tests/)
 # Setup is idempotent: a second run reuses .venv. TORCH_SPEC picks another torch (default: the 2.13.0 wheel,
 # the CPU build on machines that carry it; a GPU machine may set TORCH_SPEC=torch to get its CUDA build).
 set -euo pipefail
@@ -38,12 +38,19 @@ test_deps() {
   [ "${DTNB_REQUIRE_TEST_DEPS:-0}" != 1 ] || exit 1
 }
 
+strip_outputs() { "$VENV/bin/python" tools/docs.py strip-outputs && "$VENV/bin/nbdev-clean"; }
+
 case "${1:-}" in
   setup) setup ;;
   main)  setup; "$VENV/bin/dtnb" report --quick --out dtnb-report ;;
   test)  setup
          test_deps
-         NBDEV_TEST="$VENV/bin/nbdev-test" bash tools/test_notebooks.sh ${DTNB_NBDEV_TEST_ARGS:-}
+         # The notebooks run once. nbdev-test keeps their outputs (--save), the docs site that tests/test_site.py checks
+         # is rendered from them, then the outputs go again (notebooks are committed without outputs), also on failure.
+         trap strip_outputs EXIT
+         NBDEV_TEST="$VENV/bin/nbdev-test" bash tools/test_notebooks.sh --save ${DTNB_NBDEV_TEST_ARGS:-}
+         "$VENV/bin/python" tools/docs.py build --no-exec
+         strip_outputs; trap - EXIT
          "$VENV/bin/pytest" tests/ -q ;;
   *) echo "usage: bash run.sh main|test|setup" >&2; exit 2 ;;
 esac

@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 # Each name is looked up in nbdev's index of the exported modules (`_modidx`), so a definition can move between
 # notebooks without touching this file. No stage package shares a name with a public function (tests/test_api.py).
 _API = '''
-    detect DeviceReport parse_launch_env LaunchEnv
+    detect DeviceReport parse_launch_env LaunchEnv fork_hazards
     ToyModel TinyTransformer toy_data toy_sequences find_blocks
     launch LaunchError init_distributed shutdown rank world_size local_rank is_main barrier rank0_first current_device
     placement preflight DoctorReport

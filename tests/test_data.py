@@ -9,6 +9,7 @@ from dtnb.data.steps import input_bound, RankStepProfiles, StepProfile
 from dtnb.data.tune import tune_loader, loader_report
 from dtnb.data.trials import loader_trial, worker_limits, measure_sample_cost
 from dtnb.launcher.processes import launch
+from dtnb.detection.device import usable_cores
 
 pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
@@ -206,7 +207,7 @@ def test_ddp_reports_every_rank_and_the_slowest(slow_rank, workers):
     # the fast rank waits for the slow one in the all-reduce
     assert fast.mean('compute') > slow.mean('compute'), (r0, r0.profiles)
     assert r0.verdict.startswith(f'rank {slow_rank} is input-bound')
-    assert (ranks0, cores0) == (2, max(1, psutil.cpu_count() // 2)) == (ranks1, cores1)  # each rank's share of cores
+    assert (ranks0, cores0) == (2, max(1, usable_cores() // 2)) == (ranks1, cores1)  # each rank's share of cores
     assert children() == []
 
 
@@ -222,8 +223,10 @@ def test_rank_profiles_from_separate_runs():
 
 def test_loader_report_quick():
     rep = loader_report(SyntheticDataset(512, cost_ms=2, mode='sleep'), batch_size=16, quick=True)
-    assert rep.before.input_bound and rep.tuning.best.settings['num_workers'] >= 2
-    assert rep.after.fraction('data') < rep.before.fraction('data'), rep
+    cap = rep.tuning.limits['max_workers']   # the usable cores: 1 under `taskset -c 0`
+    assert rep.before.input_bound and rep.tuning.best.settings['num_workers'] >= min(2, cap), rep.tuning.limits
+    if rep.settings:   # the tuner changed the loader: it waits less for data per step (on sleeping samples
+        assert rep.after.mean('data') < rep.before.mean('data'), rep   # the fraction stays near 1 either way)
     assert children() == []
 
 

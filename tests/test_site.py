@@ -1,9 +1,10 @@
 """The docs site in a real browser: headless Chromium loads every built page from a local HTTP server.
 
 No broken internal link, every image loads, no console error, every page reachable from the navigation.
-Screenshots of the home page and one tutorial are kept in artifacts/. The site is built by
-`python tools/docs.py build` when _docs/ is missing or older than a notebook (DTNB_DOCS_EXEC=0 renders the
-outputs already saved in the notebooks, as CI does after `nbdev-test --save`)."""
+Screenshots of the home page and one tutorial are kept in artifacts/. `bash run.sh test` builds the site from the
+notebook run that just happened (`nbdev-test --save`, `tools/docs.py build --no-exec`, outputs stripped again); this
+module builds it (`python tools/docs.py build`, executing every notebook) only when _docs/ is missing or was built
+from other notebook sources (DTNB_DOCS_EXEC=0 renders the outputs saved in the notebooks instead)."""
 import functools, http.server, os, shutil, socketserver, subprocess, sys, threading
 from pathlib import Path
 from urllib.parse import urljoin, urlparse
@@ -15,10 +16,11 @@ CHROMIUM = shutil.which('chromium') or shutil.which('chromium-browser')
 
 
 def _stale():
-    idx = DOCS / 'index.html'
-    if not idx.exists(): return True
-    newest = max(p.stat().st_mtime for p in (ROOT / 'nbs').rglob('*.ipynb'))
-    return idx.stat().st_mtime < newest
+    "No site, or one built from other notebook sources than these (outputs aside)"
+    sys.path.insert(0, str(ROOT / 'tools'))
+    from docs import sources_digest
+    stamp = DOCS / '.sources'
+    return not stamp.exists() or stamp.read_text() != sources_digest()
 
 
 @pytest.fixture(scope='module')
@@ -104,3 +106,11 @@ def test_screenshots_kept_as_artifacts(site, browser):
         page.screenshot(path=str(ART / f'{name}.png'), full_page=True)
         page.close()
         assert (ART / f'{name}.png').stat().st_size > 10_000
+
+
+def test_readme_lists_every_tutorial_of_the_sidebar():
+    sys.path.insert(0, str(ROOT / 'tools'))
+    from docs import sidebar
+    tutorials = [p for section, items in sidebar() if section == 'Tutorials' for p in items]
+    readme = (ROOT / 'README.md').read_text()
+    assert len(tutorials) >= 10 and [p for p in tutorials if p.replace('.ipynb', '.html') not in readme] == []

@@ -7,6 +7,9 @@ machines without GitHub access, so this script gives the same pages a build path
     python tools/docs.py readme         # write README.md from nbs/index.ipynb
     python tools/docs.py check-readme   # exit 1 when README.md is out of sync with nbs/index.ipynb
     python tools/docs.py build          # execute the notebooks, render every page of nbs/sidebar.yml into _docs/
+    python tools/docs.py build --no-exec  # render the outputs saved in the notebooks (nbdev-test --save)
+    python tools/docs.py strip-outputs  # drop saved outputs again (notebooks are committed without them)
+    python tools/docs.py check-outputs  # exit 1 when a page of _docs lacks the outputs its notebook has
 
 Pages are `nbdev-proc-nbs` output (show_doc rendered, hidden cells dropped) with the outputs of a fresh execution of
 the source notebook, rendered by nbconvert and wrapped with a navigation bar and the sidebar that Quarto also uses.
@@ -270,7 +273,45 @@ def build(n_workers=2, execute_nbs=True):
         dest = OUT / here
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(page)
+    (OUT / '.sources').write_text(sources_digest())  # tests/test_site.py: built from these sources?
     print(f"docs: {len(paths)} pages in {OUT.relative_to(ROOT)}/ ({time.time()-t0:.0f}s)")
+
+
+def _notebooks():
+    return sorted(p for p in NBS.rglob('*.ipynb') if '.ipynb_checkpoints' not in str(p))
+
+
+def sources_digest() -> str:
+    "A digest of every notebook's cells without their outputs: which sources a built site comes from"
+    import hashlib
+    h = hashlib.sha256()
+    for p in _notebooks():
+        cells = json.loads(p.read_text())['cells']
+        src = [str(p.relative_to(NBS))] + [[c['cell_type'], ''.join(c['source'])] for c in cells]
+        h.update(json.dumps(src).encode())
+    return h.hexdigest()
+
+
+def strip_outputs():
+    "Drop the outputs and execution counts `nbdev-test --save` wrote (then `nbdev-clean` restores the committed form)"
+    for p in _notebooks():
+        nb = json.loads(p.read_text())
+        code = [c for c in nb['cells'] if c['cell_type'] == 'code']
+        if not any(c.get('outputs') or c.get('execution_count') for c in code): continue
+        for c in code: c['outputs'], c['execution_count'] = [], None
+        p.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + '\n')
+
+
+def check_outputs(out=OUT):
+    "Every page whose notebook holds outputs shows some (Quarto's `cell-output`, nbconvert's `output_area`)"
+    proc_nbs() if not PROC.exists() else None
+    paths = [p for _, items in sidebar() for p in items]
+    with_out = [p for p in paths if any(c.get('outputs') for c in json.loads((NBS / p).read_text())['cells'])]
+    if not with_out: raise SystemExit("docs: no notebook holds outputs: run `tools/test_notebooks.sh --save` first")
+    bare = [p for p in with_out if not (out / out_name(NBS / p)).exists() or
+            not re.search(r'cell-output|output_area', (out / out_name(NBS / p)).read_text())]
+    if bare: raise SystemExit(f"docs: these pages show none of their notebook's outputs: {bare}")
+    print(f"docs: {len(with_out)} pages show the outputs of the tested run")
 
 
 # ---------------------------------------------------------------- README
@@ -302,7 +343,7 @@ def _page_of(stem):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument('cmd', choices=['readme', 'check-readme', 'build'])
+    ap.add_argument('cmd', choices=['readme', 'check-readme', 'build', 'strip-outputs', 'check-outputs'])
     ap.add_argument('--workers', type=int, default=2)
     ap.add_argument('--no-exec', action='store_true',
                     help="render the outputs saved in the notebooks (e.g. by nbdev-test --save), not running them")
@@ -315,6 +356,8 @@ def main(argv=None):
             raise SystemExit("README.md is out of sync with nbs/index.ipynb: run `python tools/docs.py readme` and "
                              "commit it")
         print("README.md is in sync with nbs/index.ipynb")
+    elif a.cmd == 'strip-outputs': strip_outputs()
+    elif a.cmd == 'check-outputs': check_outputs()
     else:
         build(a.workers, not a.no_exec)
 

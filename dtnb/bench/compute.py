@@ -203,10 +203,19 @@ def _pool(name, nelem, device):
     block = torch.rand(min(nelem, 2**20), device=device).to(DTYPES[name])
     return block.repeat(math.ceil(nelem / block.numel()))[:nelem]
 
-def _matmul_case(name, m, n, k, pool):
-    "`fn(i)` multiplying the i-th (A, B) pair laid out in `pool`, and the bytes the pairs span"
+def _rotation(pair, itemsize, cache) -> int:
+    "How many (A, B) pairs of `pair` elements span at least twice `cache` bytes: whole pairs, rounded up"
+    return max(1, -(-2 * cache // (pair * itemsize)))
+
+def _pool_size(shapes, itemsize, cache) -> int:
+    "Elements of a pool that holds the rotation of every (m, n, k) in `shapes`"
+    return max(_rotation(m * k + k * n, itemsize, cache) * (m * k + k * n) for m, n, k in shapes)
+
+def _matmul_case(name, m, n, k, pool, cache):
+    "`fn(i)` multiplying the i-th (A, B) pair laid out in `pool` (twice `cache` bytes of them), and the bytes spanned"
     pair = m * k + k * n
-    copies = max(1, pool.numel() // pair)
+    copies = _rotation(pair, pool.element_size(), cache)
+    if copies * pair > pool.numel(): raise ValueError(f"pool of {pool.numel()} < {copies} x {pair} elements")
     As = [pool[c * pair: c * pair + m * k].view(m, k) for c in range(copies)]
     Bs = [pool[c * pair + m * k: (c + 1) * pair].view(n, k).t() if name == 'fp8' else
           pool[c * pair + m * k: (c + 1) * pair].view(k, n) for c in range(copies)]
@@ -249,12 +258,12 @@ def _matmul_row(name, m, n, k, times, span, info, device):
                 rotated_mib=span / 2**20, pct_peak=100 * tf / peak if peak else 'unknown')
 
 def _sweep(name, shapes, cache, device, info, repeats, warmup, clock, progress, seconds):
-    "The rows of one dtype's sweep over `shapes`, inputs rotated through a pool twice the cache"
-    pool = _pool(name, max(2 * cache // DTYPES[name].itemsize, max(m * k + k * n for m, n, k in shapes)), device)
+    "The rows of one dtype's sweep over `shapes`, inputs rotated through at least twice the cache"
+    pool = _pool(name, _pool_size(shapes, DTYPES[name].itemsize, cache), device)
     rows = []
     with _precision(name):
         for m, n, k in progress_bar(shapes, progress, desc=f"matmul {name}"):
-            fn, span = _matmul_case(name, m, n, k, pool)
+            fn, span = _matmul_case(name, m, n, k, pool, cache)
             seconds[f"{name} {m}x{n}x{k}"] = times = time_fn(fn, device, repeats, warmup, clock=clock)
             rows.append(_matmul_row(name, m, n, k, times, span, info, device))
     return rows
@@ -356,8 +365,9 @@ def bench_memory(device=None,
     peak, src = peak_memory_bw(info.name) if device.type != 'cpu' else (None, None)
     rows = []
     with _threads(threads):
-        src_t = torch.ones(nbytes // 4, device=device); dst = torch.empty_like(src_t)
+        src_t = torch.ones(-(-nbytes // 4), device=device); dst = torch.empty_like(src_t)  # rounded up
         name = 'host memory copy' if device.type == 'cpu' else 'device memory copy'
+        nbytes = src_t.nbytes
         rows.append(_mem_row(name, nbytes, 2 * nbytes, time_fn(lambda i: dst.copy_(src_t), device, repeats, warmup)))
         rows[0]['pct_peak'] = 100 * rows[0]['gbs'] / (peak * 1e3) if peak else 'unknown'
         del src_t, dst

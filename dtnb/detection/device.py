@@ -14,7 +14,7 @@ from ..core.specs import capability_features, peak_tflops
 from .env import LaunchEnv, parse_launch_env
 
 # %% auto #0
-__all__ = ['DeviceInfo', 'usable_cores', 'DeviceReport', 'detect']
+__all__ = ['DeviceInfo', 'usable_cores', 'fork_hazards', 'DeviceReport', 'detect']
 
 # %% ../../nbs/01a_detection.device.ipynb #e606f707
 @dataclass
@@ -191,6 +191,40 @@ def _other_accelerators(torch):
                                   peak_source=src))
     return out
 
+# %% ../../nbs/01a_detection.device.ipynb #4c3bb722
+def _os_threads() -> list:
+    "(id, name) of each OS thread of this process, from /proc; empty where there is no /proc"
+    try: tids = os.listdir('/proc/self/task')
+    except OSError: return []
+    out = []
+    for t in tids:
+        try:
+            with open(f'/proc/self/task/{t}/comm') as f: out.append((int(t), f.read().strip()))
+        except OSError: pass  # the thread ended meanwhile
+    return out
+
+_FORK_SAFE_THREADS = ('ZMQbg/',)  # Jupyter's zmq I/O threads: the ranks never use the kernel's sockets
+
+# %% ../../nbs/01a_detection.device.ipynb #4bf0992d
+def fork_hazards(threads_per_rank:int=1, # torch threads each forked rank would run
+                ) -> list:
+    "Why forking this process now is unsafe for ranks that train, one line per reason; empty when fork is safe"
+    import torch
+    why = ["CUDA is initialised in this process (forked ranks cannot use it)"] if torch.cuda.is_initialized() else []
+    py, pid = {t.native_id for t in threading.enumerate()}, os.getpid()
+    ts = dict(_os_threads())
+    native = [n for t, n in ts.items() if t not in py and t != pid and not n.startswith(_FORK_SAFE_THREADS)]
+    autograd = [n for n in native if n.startswith('pt_autograd')]
+    pool = [n for n in native if n == ts.get(pid)]  # unnamed threads: they carry the name of the thread that made them
+    other = sorted(set(native) - set(autograd) - set(pool))
+    if autograd:
+        why.append(f"autograd's device threads run ({len(autograd)}; forked ranks would fail at their first backward)")
+    if pool and threads_per_rank > 1:
+        why.append(f"a thread pool runs ({len(pool)} unnamed native threads, e.g. OpenMP's): a forked rank's first "
+                   f"op on {threads_per_rank} threads can wait on it forever")
+    if other: why.append(f"native threads run ({', '.join(other)}): a forked child can inherit a lock one holds")
+    return why
+
 # %% ../../nbs/01a_detection.device.ipynb #8db97ba4
 def _torch_build(torch):
     nccl = None
@@ -217,7 +251,7 @@ def _host():
                 usable_cores=usable_cores(), ram=psutil.virtual_memory().total, shm=shm, hostname=platform.node())
 
 # %% ../../nbs/01a_detection.device.ipynb #1f1a6c04
-def _recommend(devices, backends, cuda_init, threads):
+def _recommend(devices, backends, hazards):
     "Device, backend, dtype and fork safety that follow from what was found"
     acc = [d for d in devices if d.type != 'cpu']
     pinned = cpu_pinned()  # `placement('cpu')`: dtnb uses the CPU, whatever is here
@@ -227,12 +261,9 @@ def _recommend(devices, backends, cuda_init, threads):
     if dev.bf16: dtype, why = 'bf16', f"{dev.name} computes bf16 in hardware"
     elif dev.type == 'cuda': dtype, why = 'fp16', f"{dev.name} has no bf16: use fp16 with a GradScaler (loss scaling)"
     else: dtype, why = 'fp32', f"{dev.name} has no fast bf16"
-    fork_safe = not cuda_init
-    fork_why = ("CUDA is already initialised in this process: forked ranks cannot use it; use start_method='spawn' "
-                "or restart the kernel and launch before touching CUDA") if cuda_init else \
-               "CUDA not initialised in this process"
-    if threads > 1 and fork_safe:
-        fork_why += f"; {threads} threads running (dtnb forks only before it starts any of its own)"
+    fork_safe = not hazards
+    fork_why = '; '.join(hazards) + ": launch starts ranks with spawn" if hazards else \
+               "no CUDA context, no autograd device threads, no native thread that could hold a lock"
     return dict(device=dev.type, backend=backend, dtype=dtype, dtype_reason=why, fork_safe=fork_safe,
                 fork_reason=fork_why, pinned=pinned)
 
@@ -310,9 +341,10 @@ def detect(env:Mapping|None=None) -> DeviceReport:
     "Detect host, torch build, devices, backends and launch environment, without initialising CUDA"
     import torch
     cuda_init = torch.cuda.is_initialized()  # first: what fork safety depends on is the state before we looked
+    hazards = fork_hazards()
     cuda, p2p, nvlink = _cuda_devices(torch, cuda_init)
     devices = [_cpu_device()] + cuda + _other_accelerators(torch)
     backends, threads = _backends(), threading.active_count()
     return DeviceReport(_host(), _torch_build(torch), devices, backends, parse_launch_env(env), in_notebook(),
-                        cuda_init, threads, p2p, nvlink, _recommend(devices, backends, cuda_init, threads),
+                        cuda_init, threads, p2p, nvlink, _recommend(devices, backends, hazards),
                         datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'))

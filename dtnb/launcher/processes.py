@@ -10,7 +10,7 @@ import os, sys, io, gc, time, signal, socket, tempfile, threading, traceback, at
 import warnings
 import multiprocessing as mp
 from multiprocessing.connection import wait as _wait
-from ..detection.device import usable_cores
+from ..detection.device import usable_cores, fork_hazards
 from ..detection.env import parse_launch_env, LaunchEnvError
 from .failures import LaunchError, report_failure
 from .network import prepare_network, start_peer_watch, stop_peer_watch
@@ -214,14 +214,14 @@ def _stop(procs, sig=signal.SIGKILL):
         if p.pid is not None: p.join(5)
 
 # %% ../../nbs/02a_launcher.processes.ipynb #9a1fc6ae
-def _native_threads() -> int:
-    "OS threads of this process that Python did not start (OpenMP/MKL pools, ...)"
-    try: return max(0, len(os.listdir('/proc/self/task')) - threading.active_count())
-    except OSError: return 0
-
-def _start_method(start_method):
+def _start_method(start_method, threads):
+    "'fork' where `fork_hazards` finds none, else 'spawn', saying why in one line; an explicit choice is checked"
     import torch
-    if start_method is None: return 'spawn' if torch.cuda.is_initialized() else 'fork'
+    hazards = fork_hazards(threads)
+    if start_method is None:
+        if not hazards: return 'fork'
+        warnings.warn(f"launch starts the ranks with spawn, not fork: {'; '.join(hazards)}", stacklevel=3)
+        return 'spawn'
     if start_method not in mp.get_all_start_methods():
         raise ValueError(f"start_method={start_method!r} is not available here: "
                          f"choose one of {mp.get_all_start_methods()}")
@@ -229,6 +229,10 @@ def _start_method(start_method):
         raise RuntimeError("CUDA is already initialised in this process, so forked ranks cannot use it. Either pass "
                            "start_method='spawn' (your function travels by value), or restart the kernel and call "
                            "launch() before anything touches CUDA (torch.cuda.* calls, .cuda(), .to('cuda'))")
+    if start_method == 'fork' and any(h.startswith("autograd's") for h in hazards):
+        raise RuntimeError("autograd's device threads run in this process (a backward ran after torch registered a "
+                           "device), so forked ranks would fail at their first backward. Pass start_method='spawn' "
+                           "or leave it None (your function travels by value)")
     return start_method
 
 # %% ../../nbs/02a_launcher.processes.ipynb #7b714079
@@ -260,8 +264,8 @@ def _placement(nprocs, backend, device):
 
 def _threads_per_rank(nprocs, threads, method):
     n = threads or max(1, usable_cores() // nprocs)
-    if method == 'fork' and _native_threads() > 0 and n > 1 and threads is None:
-        n = 1  # a forked child's first multi-threaded op can deadlock on the parent's OpenMP pool
+    if method == 'fork' and threads is None and n > 1 and any('thread pool' in h for h in fork_hazards(n)):
+        n = 1  # a forked child's first multi-threaded op can deadlock on the parent's OpenMP pool: threads=N spawns
     return n
 
 def cpu_oversubscription(nprocs, threads, cores) -> str|None:
@@ -360,7 +364,7 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
     backend, device = _placement(nprocs, backend, device)
     backend = check_backend(backend)
     if device: env = {**(env or {}), 'DTNB_DEVICE': device}
-    method = _start_method(start_method)
+    method = _start_method(start_method, threads or 1)  # threads=None: forked ranks get 1 while a pool runs
     if port is not None: check_port(port)
     if (why := cpu_oversubscription(nprocs, threads, usable_cores())): warnings.warn(why, stacklevel=2)
     pg_timeout = 600 if timeout is None else timeout + 60  # launch's own timeout reports first, with stacks

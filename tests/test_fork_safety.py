@@ -1,0 +1,94 @@
+"""`launch` forks only when fork is safe (`fork_hazards`), on every torch build.
+
+Each case runs in a fresh interpreter, so that what this pytest process ran before does not decide the outcome.
+The autograd case is the one of the CUDA builds of torch (the `pip install torch` default, also on a machine without
+a GPU): `torch.export` and one `backward()` in the parent start autograd's device threads, and forked ranks then die
+at their first backward. On the CPU build the same parent starts none and `launch` forks; on the CUDA build it must
+spawn, say why, and train the same. CI runs this file on both builds (`.ci/run`). The training function is defined in
+the script's `__main__`, as in a notebook: under spawn it travels by value (cloudpickle).
+The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_env`, conftest.py)."""
+import json, subprocess, sys, textwrap
+import pytest
+from conftest import cpu_env, ROOT
+
+pytestmark = pytest.mark.usefixtures('cpu_ranks')
+
+HEAD = """
+import json, os, sys, warnings
+import torch, dtnb
+fork_hazards = dtnb.fork_hazards
+torch.set_num_threads(1)
+
+def train(strategy):
+    torch.manual_seed(0)
+    model = dtnb.wrap(dtnb.ToyModel(), strategy)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = dtnb.distributed_loader(dtnb.toy_data(64), global_batch_size=16, shuffle=False)
+    return dtnb.fit(model, loader, opt, max_steps=4, progress=False).losses
+
+def launch(*args, **kw):
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        res = dtnb.launch(*args, **kw)
+    return res, [str(w.message) for w in ws if 'starts the ranks with' in str(w.message)]
+"""
+
+
+def _run(body, timeout=240):
+    "Run HEAD + `body` in a fresh interpreter (guarded, as spawn needs); return the JSON it printed last"
+    src = HEAD + "\nif __name__ == '__main__':\n" + textwrap.indent(textwrap.dedent(body), '    ')
+    r = subprocess.run([sys.executable, '-c', src], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                       env=cpu_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_autograd_threads_after_export_and_backward_launch_still_trains():
+    out = _run("""
+        torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),))
+        torch.nn.Linear(2, 2)(torch.zeros(1, 2)).sum().backward()
+        hazards = fork_hazards()
+        one = train('single')
+        (two, _), says = launch(train, 'ddp', nprocs=2)
+        try: dtnb.launch(train, 'ddp', nprocs=2, start_method='fork'); forced = 'ran'
+        except RuntimeError as e: forced = str(e)
+        print(json.dumps(dict(hazards=hazards, one=one, two=two, says=says, forced=forced,
+                              torch=torch.__version__)))
+    """)
+    assert out['two'] == pytest.approx(out['one'], abs=1e-5), out   # DDP on 2 ranks = one process
+    autograd = [h for h in out['hazards'] if h.startswith("autograd's device threads run")]
+    if autograd:   # the CUDA builds: spawned, said why in one line, and fork refused with the remedy
+        assert len(out['says']) == 1 and "spawn, not fork" in out['says'][0] and autograd[0] in out['says'][0], out
+        assert "start_method='spawn'" in out['forced'], out
+    else:          # the CPU build: nothing to avoid, so the ranks were forked without a word
+        assert out['says'] == [] and out['forced'] == 'ran', out
+
+
+def test_a_store_server_thread_makes_launch_spawn_and_say_why():
+    out = _run("""
+        import torch.distributed as dist
+        clean = fork_hazards()
+        store = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)
+        hazards = fork_hazards()
+        (two, _), says = launch(train, 'ddp', nprocs=2)
+        print(json.dumps(dict(clean=clean, hazards=hazards, two=two, one=train('single'), says=says)))
+    """)
+    assert out['clean'] == [], out   # a fresh interpreter with torch imported: fork is safe
+    assert out['hazards'] and out['says'] and "spawn, not fork" in out['says'][0], out
+    assert out['two'] == pytest.approx(out['one'], abs=1e-5), out
+
+
+def test_the_thread_pool_matters_only_for_ranks_of_more_than_one_thread():
+    out = _run("""
+        torch.set_num_threads(2)
+        a = torch.randn(1024, 1024); a @ a   # starts OpenMP's pool (where torch uses OpenMP)
+        def nthreads(): return torch.get_num_threads()
+        (n1,), says1 = launch(nthreads, nprocs=1)              # forked: one thread each, which never uses the pool
+        (n2,), says2 = launch(nthreads, nprocs=1, threads=2)   # two asked for: spawned, saying why
+        print(json.dumps(dict(one=fork_hazards(1), two=fork_hazards(2), n1=n1, n2=n2, says1=says1, says2=says2,
+                              omp='OpenMP' in torch.__config__.parallel_info())))
+    """)
+    assert out['one'] == [] and out['says1'] == [] and out['n2'] == 2, out
+    if out['omp']:
+        assert any('thread pool' in h for h in out['two']) and out['n1'] == 1, out
+        assert len(out['says2']) == 1 and 'thread pool' in out['says2'][0], out

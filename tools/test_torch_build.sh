@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The suite once more on a torch that users install, in a venv of its own (CI: .ci/run):
+#   bash tools/test_torch_build.sh PYTHON TORCH_SPEC [VENV]
+#   e.g. python3.12 torch          PyPI's default build of the newest torch: the CUDA one, also without a GPU
+#        python3.10 "torch==2.10"  the oldest torch pyproject.toml declares (torch>=2.10), on the oldest Python
+# torch comes from PyPI as `pip install torch` gives it: PIP_FIND_LINKS and the pip configuration (which point some
+# machines at a local CPU wheel) are left out for that one install.
+# pytest only, not nbdev-test: what differs between torch builds is the state of the process (autograd's device
+# threads after torch.export and a backward, thread pools, CUDA) and the operators a build has; tests/ covers both in
+# one long-lived pytest process that imports every test module (the state that broke `launch` on the CUDA build) and
+# in fresh ones (tests/test_fork_safety.py). The notebooks run the same library code on the CPU wheel in
+# `bash run.sh test`; running them again would add about 3 minutes per build to CI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${1:?python}; SPEC=${2:?torch spec}; VENV=${3:-.venv-$(echo "$PY-$SPEC" | tr -c 'a-zA-Z0-9.\n' '-')}
+# `python3.12` on PATH (GitHub's setup-python), else pyenv's newest 3.12.x (its shims answer only for the global one)
+if ! "$PY" -c '' 2>/dev/null; then
+  found=$(ls -d "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")/versions/${PY#python}".*/bin/"$PY" 2>/dev/null |
+          sort -V | tail -1)
+  [ -n "$found" ] || { echo "test_torch_build: no $PY here (PATH or pyenv)" >&2; exit 1; }
+  PY=$found
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q $SPEC  # unquoted: may carry options
+env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q -e ".[dev]"
+"$VENV/bin/python" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__)"
+"$VENV/bin/pytest" tests/ -q -p no:cacheprovider
