@@ -34,6 +34,7 @@ UNPINNED = {
     '01a_detection.device': "detection: what this machine has",
     '00c_core.models': "model definitions, run where they are built",
     '02_launcher.failures': "error reports: no device",
+    '02_launcher.network': "routes, addresses and a store heartbeat in one process: no device",
     '02b_launcher.torchrun': "builds torchrun commands",
     '02c_launcher.doctor': "one process in its cells (the multi-host runs are tests/test_doctor.py); gloo on CPU",
     '03c_parallel.pipeline_schedules': "pipeline schedules on paper",
