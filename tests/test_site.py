@@ -89,7 +89,7 @@ def test_every_page_loads_cleanly_and_is_reachable(site, browser):
 
 
 def test_outputs_and_plots_are_visible(site, browser):
-    page, _, _ = visit(browser, site + 'ddp.html')
+    page, _, _ = visit(browser, site + 'parallel.ddp.html')
     outputs = page.evaluate("document.querySelectorAll('.output_area').length")
     assert outputs >= 5, "code outputs missing: was the site built from executed notebooks?"
     page.close()

@@ -299,15 +299,23 @@ def _guard_loop(w:PeerWatch):
         if time.monotonic() - w._ok > w.timeout: return _declare(w, _store_lost(w))
 
 def _declare(w:PeerWatch, err:PeerLostError):
-    "Record the verdict (in the store, for the other ranks) and act on it, once"
+    "Record the verdict (in the store, for the other ranks), let the survivors read it, and act on it, once"
     with w._lock:
         if w.verdict is not None or w._stop.is_set(): return
         w.verdict = err
-    if '(seen by rank' not in str(err):
-        v = json.dumps(dict(msg=str(err), by=w.rank, rank=err.rank, host=err.host))
-        if w.store is not None: _bounded(lambda: w.store.set(w.prefix + 'lost', v), 1)
+    if w.store is not None:
+        if '(seen by rank' not in str(err):
+            v = json.dumps(dict(msg=str(err), by=w.rank, rank=err.rank, host=err.host))
+            _bounded(lambda: w.store.set(w.prefix + 'lost', v), 1)
+        _await_readers(w)
     w._stop.set()
     w.on_lost(err)
+
+def _await_readers(w:PeerWatch):
+    "This rank has read the verdict; wait a few beats for the other survivors (the store may go with the first to exit)"
+    count = lambda n: _bounded(lambda: w.store.add(w.prefix + 'read', n), 1, 0)
+    n, end = count(1), time.monotonic() + 2 * w.period + 1
+    while n and n < w.world - 1 and time.monotonic() < end: time.sleep(0.05); n = count(0)
 
 # %% ../../nbs/02_launcher.network.ipynb #86e46b74
 _EXITING = threading.Lock()
