@@ -19,20 +19,22 @@ setup() {
   "$VENV/bin/pip" install -q -e ".[dev]"
 }
 
-# What `run.sh test` needs outside Python: mpirun (tests/test_mpi.py) and Chromium (tests/test_site.py). Missing ones
+# What `run.sh test` needs outside Python: mpirun (tests/test_mpi.py), Chromium (tests/test_site.py) and iproute2's
+# `ip`/`tc` (tools/cluster.sh: namespace hosts for tests/test_cluster.py, which skips without root). Missing ones
 # are installed with apt-get when we are root; otherwise one line names the command (test_mpi.py then skips, and
 # test_site.py fails unless DTNB_SKIP_BROWSER=1). DTNB_REQUIRE_TEST_DEPS=1 (CI) makes a failed install an error.
 test_deps() {
   local missing=()
   command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
   command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing+=(chromium)
+  { command -v ip && command -v tc; } >/dev/null 2>&1 || missing+=(iproute2)
   [ ${#missing[@]} -eq 0 ] && return 0
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "run.sh: installing ${missing[*]} with apt-get (for tests/test_mpi.py, tests/test_site.py)"
+    echo "run.sh: installing ${missing[*]} with apt-get (for tests/test_mpi.py, test_site.py, test_cluster.py)"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null) && return 0
   fi
-  echo "run.sh: ${missing[*]} not installed: run \`sudo apt-get install -y ${missing[*]}\` for the MPI and browser" \
-       "tests"
+  echo "run.sh: ${missing[*]} not installed: run \`sudo apt-get install -y ${missing[*]}\` for the MPI, browser" \
+       "and cluster tests"
   [ "${DTNB_REQUIRE_TEST_DEPS:-0}" != 1 ] || exit 1
 }
 

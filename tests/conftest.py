@@ -47,3 +47,16 @@ def run_cli():
         if check and r.returncode: raise AssertionError(f"dtnb {' '.join(args)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
         return r
     return run
+
+
+@pytest.fixture
+def cluster():
+    """Factory of namespace-host clusters (tests/cluster.py): `c = cluster(2, rate='100mbit')`; every cluster it made is
+    taken down after the test, its processes killed. Skips with the reason where namespaces cannot be made."""
+    from cluster import Cluster, cluster_unavailable
+    if (why := cluster_unavailable()): pytest.skip(why)
+    made = []
+    def make(n, rate=None):
+        made.append(Cluster(n, rate=rate)); return made[-1]
+    yield make
+    for c in made: c.down()
