@@ -9,8 +9,8 @@
 #
 # Nodes are host1..hostN (each slurmd finds its name from its host's hostname), C CPUs each (default 1), in one
 # partition `debug`. Clients (sbatch, srun, squeue, scontrol) reach slurmctld at 10.77.0.1, an address that exists
-# only inside the cluster: run them on a host (`exec`). Every host's /etc/hosts also names the other hosts, as a
-# cluster's DNS would. Jobs run as root. Everything lives in D: config, munge key and socket, state, spool, logs.
+# only inside the cluster: run them on a host (`exec`). Hosts know each other by name (cluster.sh's /etc/hosts).
+# Jobs run as root. Everything lives in D: config, munge key and socket, state, spool, logs.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 CLUSTER="$HERE/cluster.sh"
@@ -63,10 +63,7 @@ up() {
   trap 'down "$d" >/dev/null 2>&1' ERR
   mkdir -p "$d"/{munge,state,run,log} && chmod 700 "$d/munge"
   p=$(bash "$CLUSTER" up "$n"); echo "$p" > "$d/prefix"
-  for i in $(seq 1 "$n"); do  # every host knows the others by name; its own name stays what cluster.sh made it
-    mkdir -p "$d/spool/host$i"
-    for j in $(seq 1 "$n"); do [ "$j" = "$i" ] || echo "10.77.0.$j host$j" >> "/etc/netns/$p-h$i/hosts"; done
-  done
+  for i in $(seq 1 "$n"); do mkdir -p "$d/spool/host$i"; done
   config "$d" "$n" "$cpus" > "$d/slurm.conf"
   echo "CgroupPlugin=cgroup/v1" > "$d/cgroup.conf"  # read by slurmd even with proctrack/linuxproc
   head -c 1024 /dev/urandom > "$d/munge/munge.key" && chmod 400 "$d/munge/munge.key"
