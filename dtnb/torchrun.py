@@ -10,9 +10,28 @@ import os, sys, warnings
 from .device import usable_cores
 from .launcher import free_port, _check_args, _cpu_oversubscription
 from .utils import accelerators
+from .network import NetworkError, _resolve, _ifname_of, _is_loopback
 
 # %% auto #0
 __all__ = ['torchrun_command']
+
+# %% ../nbs/01a_torchrun.ipynb #29cb7947
+def _option(args, name:str):
+    "The value of torchrun option `name` in `args` (`--name=v` or `--name v`, dashes or underscores), or None"
+    for i, a in enumerate(args):
+        if a.split('=')[0].replace('_', '-') == name:
+            return a.split('=', 1)[1] if '=' in a else (args[i + 1] if i + 1 < len(args) else '')
+    return None
+
+def _rdzv_host_args(torchrun_args) -> list:
+    "`['--rdzv-conf=is_host=1']` when the `--rdzv-endpoint` is an address of this machine (not loopback)"
+    ep = _option(torchrun_args, '--rdzv-endpoint')
+    if not ep or _option(torchrun_args, '--rdzv-conf') is not None: return []
+    if _option(torchrun_args, '--node-rank') not in (None, '0'): return []
+    host = ep.rsplit(':', 1)[0] if ep.count(':') == 1 or ep.startswith('[') else ep
+    try: addr = _resolve(host.strip('[]'))
+    except NetworkError: return []  # a name this machine cannot resolve is not this machine
+    return ['--rdzv-conf=is_host=1'] if not _is_loopback(addr) and _ifname_of(addr) else []
 
 # %% ../nbs/01a_torchrun.ipynb #a5068d6c
 _RDZV_OPTS = ('--standalone', '--rdzv-endpoint', '--rdzv_endpoint', '--master-addr', '--master_addr',
@@ -28,6 +47,7 @@ def torchrun_command(nprocs:int, script:str, script_args=(), torchrun_args=()) -
     given = {a.split('=')[0].replace('_', '-') for a in torchrun_args}
     if not given & {o.replace('_', '-') for o in _RDZV_OPTS}:  # rendezvous on loopback
         cmd += ['--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{free_port()}', '--local-addr=127.0.0.1']
+    cmd += _rdzv_host_args(torchrun_args)
     if '--nnodes' not in given: cmd.append('--nnodes=1')
     env = dict(TORCH_DISABLE_SHARE_RDZV_TCP_STORE='1',  # restarted groups get a fresh store port (gloo restarts)
                OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', str(max(1, usable_cores() // nprocs))))
