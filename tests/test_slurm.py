@@ -11,7 +11,7 @@ from slurm_cluster import SlurmCluster, slurm_unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-pytestmark = [pytest.mark.usefixtures('cpu_ranks'), pytest.mark.slurm]
+pytestmark = [pytest.mark.usefixtures('cpu_ranks'), pytest.mark.cluster_long]
 
 
 @pytest.fixture(scope='module')
