@@ -14,17 +14,17 @@ import torch
 
 
 def _model(d, depth):
-    from dtnb.models import ToyModel
+    from dtnb.core.models import ToyModel
     return ToyModel(d_in=64, d=d, depth=depth, d_out=8, seed=0)
 
 
 def _bench(root, d, depth, repeats):
-    from dtnb.launcher import rank, barrier
-    from dtnb.ddp import wrap
+    from dtnb.launcher.processes import rank, barrier
+    from dtnb.parallel.ddp import wrap
     import torch.distributed.checkpoint as dcp
-    from dtnb.checkpoint import save_checkpoint, checkpoint_path, _crc, state_dicts
-    from dtnb.load import load_checkpoint
-    from dtnb.export import export_model
+    from dtnb.train.checkpoint import save_checkpoint, checkpoint_path, _crc, state_dicts
+    from dtnb.train.checkpoint_load import load_checkpoint
+    from dtnb.train.export import export_model
     model = wrap(_model(d, depth), 'ddp')
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(8, 64)
@@ -71,7 +71,7 @@ def main():
     ap.add_argument('--d', type=int, default=512); ap.add_argument('--depth', type=int, default=8)
     ap.add_argument('--repeats', type=int, default=3); ap.add_argument('--dir', default=None)
     a = ap.parse_args()
-    from dtnb.launcher import launch
+    from dtnb.launcher.processes import launch
     n = sum(p.numel() for p in _model(a.d, a.depth).parameters())
     root = tempfile.mkdtemp(prefix='dtnb-bench-ckpt-', dir=a.dir)
     try: r = launch(_bench, root, a.d, a.depth, a.repeats, nprocs=2)[0]

@@ -8,10 +8,10 @@ import argparse, gc, statistics, time
 import torch
 import torch.nn.functional as F
 import torch.distributed.fsdp  # once in the parent: forked ranks inherit it
-from dtnb.launcher import launch
-from dtnb.ddp import wrap, distributed_loader
-from dtnb.fsdp import state_bytes
-from dtnb.models import ToyModel, toy_data
+from dtnb.launcher.processes import launch
+from dtnb.parallel.ddp import wrap, distributed_loader
+from dtnb.parallel.fsdp import state_bytes
+from dtnb.core.models import ToyModel, toy_data
 
 SIZE = dict(d=256, hidden=1024, depth=8)   # 4.3 M parameters, 16 MiB in fp32
 BIG = dict(d=256, hidden=2048, depth=16)   # 16.8 M parameters, 64 MiB in fp32

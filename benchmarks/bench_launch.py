@@ -7,7 +7,7 @@ DDP steps/s through dtnb (wrap + distributed_loader + fit) ≥ 0.98× hand-writt
 import argparse, statistics, time
 import torch, torch.distributed as dist
 import torch.multiprocessing as tmp
-from dtnb.launcher import launch, usable_cores
+from dtnb.launcher.processes import launch, usable_cores
 
 
 def trivial(*_):
@@ -50,7 +50,7 @@ def hand_ddp(steps, batch):
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
-    from dtnb.models import ToyModel, toy_data
+    from dtnb.core.models import ToyModel, toy_data
     torch.manual_seed(0)
     model = DDP(ToyModel(d=64, depth=4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -64,9 +64,9 @@ def hand_ddp(steps, batch):
 
 
 def dtnb_ddp(steps, batch):
-    from dtnb.ddp import wrap, distributed_loader
-    from dtnb.train import fit
-    from dtnb.models import ToyModel, toy_data
+    from dtnb.parallel.ddp import wrap, distributed_loader
+    from dtnb.train.loop import fit
+    from dtnb.core.models import ToyModel, toy_data
     torch.manual_seed(0)
     model = wrap(ToyModel(d=64, depth=4), 'ddp')
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -11,9 +11,9 @@ measured before and after each set and printed with it.
 """
 import argparse, json, statistics
 import torch
-from dtnb.data import SyntheticDataset, cores_free
-from dtnb.tune import tune_loader, loader_trial
-from dtnb.device import detect
+from dtnb.data.loaders import SyntheticDataset, cores_free
+from dtnb.data.tune import tune_loader, loader_trial
+from dtnb.detection.device import detect
 
 
 def settings(s): return ', '.join(f"{k}={v}" for k, v in s.items())

@@ -2,11 +2,11 @@
 formula vs trace, and what a trace of a model too big for this machine costs. Run: python benchmarks/bench_memory.py"""
 import resource, sys, time
 import torch, torch.nn as nn, torch.nn.functional as F
-from dtnb.utils import text_table
-from dtnb.activations import trace_activations
-from dtnb.memory import estimate_memory, TransformerShape
-from dtnb.measure import measure_memory
-from dtnb.models import ToyModel, GPT
+from dtnb.core.utils import text_table
+from dtnb.plan.activations import trace_activations
+from dtnb.plan.memory import estimate_memory, TransformerShape
+from dtnb.plan.measure import measure_memory
+from dtnb.core.models import ToyModel, GPT
 
 
 def zero_table():

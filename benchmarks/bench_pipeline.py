@@ -18,10 +18,10 @@ import argparse, statistics, time
 import torch
 from torch import nn
 import torch.distributed.pipelining  # once, before the ranks fork
-from dtnb.launcher import launch
-from dtnb.models import ToyModel, toy_data
-from dtnb.schedules import simulate_schedule, bubble_fraction, schedule_name, SCHEDULES
-from dtnb.pipeline import apply_pipeline, causal_lm_loss
+from dtnb.launcher.processes import launch
+from dtnb.core.models import ToyModel, toy_data
+from dtnb.parallel.pipeline_schedules import simulate_schedule, bubble_fraction, schedule_name, SCHEDULES
+from dtnb.parallel.pipeline import apply_pipeline, causal_lm_loss
 
 def model_data(a):
     return ToyModel(d=a.d, depth=a.depth, seed=0), toy_data(a.batch, d_in=16)[:a.batch]

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 import torch.distributed as dist
 import torch.distributed.fsdp  # once in the parent: forked ranks inherit it
-from dtnb.launcher import launch
-from dtnb.ddp import wrap, make_optimizer
-from dtnb.models import ToyModel, toy_data
+from dtnb.launcher.processes import launch
+from dtnb.parallel.ddp import wrap, make_optimizer
+from dtnb.core.models import ToyModel, toy_data
 
 SIZE = dict(d=256, hidden=1024, depth=8)   # 4.3 M parameters, 16 MiB in fp32
 SETUPS = {  # name: (strategy, wrap options)

@@ -1,4 +1,4 @@
-"""dtnb.bench, dtnb.collectives and dtnb.throughput against references, side by side in one run. Prints figures; not a test.
+"""dtnb.bench.compute, dtnb.bench.collectives and dtnb.bench.throughput against references, side by side in one run. Prints figures; not a test.
 
     python benchmarks/bench_suite.py [--full]
 
@@ -12,10 +12,10 @@
 """
 import argparse, functools, itertools, statistics, time, tempfile
 import torch, torch.utils.benchmark as tbench
-from dtnb.bench import bench_matmul, bench_memory, matmul_flops, cache_bytes, time_fn, _threads, _matmul_case, _pool
-from dtnb.collectives import bench_collectives
-from dtnb.throughput import bench_model, bench_scaling, bench_all
-from dtnb.models import ToyModel
+from dtnb.bench.compute import bench_matmul, bench_memory, matmul_flops, cache_bytes, time_fn, _threads, _matmul_case, _pool
+from dtnb.bench.collectives import bench_collectives
+from dtnb.bench.throughput import bench_model, bench_scaling, bench_all
+from dtnb.core.models import ToyModel
 
 
 def matmul_vs_timer(n=1024, pairs=41):

@@ -1,11 +1,11 @@
 """GPU benchmarks held to their anchors (issue 15): dtnb's benchmarks beside plain torch loops, measured in one run.
 
   matmul  dtnb.bench_matmul vs a plain `torch.matmul` loop at the same shapes, in bf16, fp16, tf32 and fp32.
-          Anchor: dtnb's max achievable within 5% of the plain loop's; % of the spec peak (dtnb.specs; H100 SXM bf16
+          Anchor: dtnb's max achievable within 5% of the plain loop's; % of the spec peak (dtnb.core.specs; H100 SXM bf16
           989.4 dense) and of the known measured max (H100 SXM bf16: about 794 TFLOPS).
   memory  device memory bandwidth: dtnb.bench_memory's copy vs a plain `copy_` loop, % of spec (H100 SXM 3.35 TB/s);
           host<->device, pageable vs pinned (`pin_memory()`, `non_blocking=True`), H2D and D2H, dtnb beside plain.
-  mfu     MFU of dtnb.models.GPT (Korthikanti GPTBlocks) by dtnb.bench_model and by a hand-written autocast loop,
+  mfu     MFU of dtnb.core.models.GPT (Korthikanti GPTBlocks) by dtnb.bench_model and by a hand-written autocast loop,
           against the spec peak and the measured matmul peak; FLOPs counted beside 72bsh^2 + 12bs^2h per layer.
   step    one GPU, DDP and FSDP2: training steps/s through dtnb.wrap beside DistributedDataParallel / fully_shard
           written by hand (one rank, launched by dtnb.launch), and the losses of both.
@@ -87,8 +87,8 @@ class precision:
 
 
 def peaks_of(name, dtype):
-    "(spec peak TFLOPS from dtnb.specs, best known measured TFLOPS, where that comes from) of the device `name`"
-    from dtnb.specs import peak_tflops
+    "(spec peak TFLOPS from dtnb.core.specs, best known measured TFLOPS, where that comes from) of the device `name`"
+    from dtnb.core.specs import peak_tflops
     peaks, src = peak_tflops(name)
     known, known_src = KNOWN_MAX.get((src.split(':')[0] if src else None, dtype), (None, None))
     return peaks.get(dtype), known, known_src
@@ -121,8 +121,8 @@ def plain_matmul_tflops(name, n, device, repeats):
 
 
 def matmul_section(device, cfg, ctx):
-    from dtnb.bench import bench_matmul
-    from dtnb.specs import peak_tflops
+    from dtnb.bench.compute import bench_matmul
+    from dtnb.core.specs import peak_tflops
     spin(device)
     best = {}  # (dtype, n) -> [dtnb, plain]: the best median of each over interleaved rounds
     for _ in range(cfg['rounds']):
@@ -177,7 +177,7 @@ def plain_transfer_gbs(n, device, iters, repeats):
 
 
 def memory_section(device, cfg, ctx):
-    from dtnb.bench import bench_memory, peak_memory_bw
+    from dtnb.bench.compute import bench_memory, peak_memory_bw
     spin(device, 1.0)
     copy, xfer, res = [0.0, 0.0], {}, None
     iters = max(1, cfg['iters'] // 2)
@@ -232,9 +232,9 @@ def hand_step(model, x, amp, device):
 
 
 def mfu_section(device, cfg, ctx):
-    from dtnb.models import GPT
-    from dtnb.throughput import bench_model
-    from dtnb.specs import peak_tflops
+    from dtnb.core.models import GPT
+    from dtnb.bench.throughput import bench_model
+    from dtnb.core.specs import peak_tflops
     g, amp = cfg['gpt'], cfg['amp']
     name = amp or 'fp32'
     peak = ctx.get('matmul_peak', {}).get(name)   # from the matmul section; bench_model measures it when None
@@ -281,9 +281,9 @@ def by_hand(model, strategy, device):
 
 def step_rank(g, amp, steps, warmup, rounds):
     "In one rank: steps/s and losses of DDP and FSDP2, through dtnb.wrap and by hand, interleaved over rounds"
-    from dtnb.launcher import current_device
-    from dtnb.ddp import wrap
-    from dtnb.models import GPT
+    from dtnb.launcher.processes import current_device
+    from dtnb.parallel.ddp import wrap
+    from dtnb.core.models import GPT
     device, out = current_device(), {}
     for _ in range(rounds):
         for strategy in ('ddp', 'fsdp'):
@@ -311,7 +311,7 @@ def step_rank(g, amp, steps, warmup, rounds):
 
 
 def step_section(device, cfg, ctx):
-    from dtnb.launcher import launch
+    from dtnb.launcher.processes import launch
     cpu = device.type == 'cpu'
     res = launch(step_rank, cfg['step_gpt'], cfg['amp'], cfg['steps'], cfg['warmup'], cfg['rounds'], nprocs=1,
                  device='cpu' if cpu else None, threads=1 if cpu else None, timeout=600)[0]
@@ -350,7 +350,7 @@ def nvidia_smi(fields):
 
 def fingerprint(device):
     "What was measured on: device name, capability, torch/CUDA/cuDNN versions, the driver (nvidia-smi), dtnb's view"
-    from dtnb.device import detect
+    from dtnb.detection.device import detect
     fp = dict(device=str(device), torch=torch.__version__, cuda=torch.version.cuda,
               cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
               python=platform.python_version(), dtnb=detect().fingerprint())
@@ -371,7 +371,7 @@ def fmt(v):
 
 
 def show(name, sec):
-    from dtnb.utils import text_table
+    from dtnb.core.utils import text_table
     print(f"\n== {name}")
     if 'error' in sec: print(sec['error']); return
     print(text_table(sec['columns'], [[fmt(r.get(c)) for c in sec['columns']] for r in sec['rows']]))

@@ -14,7 +14,7 @@ __all__ = ['LAUNCH_EPILOG', 'parser', 'main']
 
 # %% ../nbs/10_cli.ipynb #e8d45553
 def _env(args):
-    from dtnb.device import detect
+    from dtnb.detection.device import detect
     r = detect()
     if args.html: return _html_out(args.html, 'dtnb env', [('machine', 'Machine', r._repr_markdown_())],
                                    r.fingerprint())
@@ -23,7 +23,7 @@ def _env(args):
 
 def _html_out(path, title, sections, subtitle=''):
     "Print a styled HTML page (`path` '-') or write it to `path`"
-    from dtnb.reporting import html_page
+    from dtnb.reporting.document import html_page
     page = html_page(title, sections, subtitle)
     if path == '-': print(page)
     else: Path(path).write_text(page); print(f"wrote {path}", file=sys.stderr)
@@ -39,7 +39,7 @@ def _split_launch_args(rest):
 
 def _launch(args):
     import os, subprocess
-    from dtnb.torchrun import torchrun_command
+    from dtnb.launcher.torchrun import torchrun_command
     tr, script, script_args = _split_launch_args(args.rest)
     if not os.path.exists(script): raise ValueError(f"script {script!r} not found")
     cmd, env = torchrun_command(args.nprocs, script, script_args, tr)
@@ -57,7 +57,7 @@ def _report(args):
 
 # %% ../nbs/10_cli.ipynb #20ef5ca0
 def _plan(args):
-    from dtnb.memory import recommend, estimate_memory, TransformerShape
+    from dtnb.plan.memory import recommend, estimate_memory, TransformerShape
     dims = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len)
     if args.predict and args.params and not args.layers: return _predict(args, args.params)
     if any(dims.values()) and not all(dims.values()):
@@ -87,7 +87,7 @@ def _prices(s):
 
 def _predict(args, model):
     "`dtnb plan --predict`: `predict` for a shape, or for --params with --seq-len (tokens per device: batch x seq)"
-    from dtnb.forecast import predict
+    from dtnb.bench.forecast import predict
     if args.samples is None and args.tokens is None:
         raise ValueError("--predict needs the run's size: --tokens (e.g. 2e10) or --samples")
     batch = None
@@ -105,7 +105,7 @@ def _predict(args, model):
 
 def _size(s):
     "An argparse type: bytes from '80GB', '80GiB' or '8e10', with parse_size's message when it cannot read one"
-    from dtnb.utils import parse_size
+    from dtnb.core.utils import parse_size
     try: return parse_size(s)
     except ValueError as e: raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -139,7 +139,7 @@ def _add_plan(sub):
 
 # %% ../nbs/10_cli.ipynb #fe8af7bd
 def _bench(args):
-    from dtnb.throughput import bench_all
+    from dtnb.bench.throughput import bench_all
     bench_all(quick=args.quick, out=args.out, only=args.only)
     return 0
 
@@ -153,8 +153,8 @@ def _add_bench(sub):
 
 # %% ../nbs/10_cli.ipynb #879af0ed
 def _loader(args):
-    from dtnb.data import SyntheticDataset
-    from dtnb.tune import loader_report
+    from dtnb.data.loaders import SyntheticDataset
+    from dtnb.data.tune import loader_report
     ds = SyntheticDataset(1024 if args.quick else 4096, cost_ms=args.cost_ms, mode=args.mode)
     r = loader_report(ds, batch_size=args.batch_size, quick=args.quick)
     print(json.dumps(r.to_dict(), indent=2) if args.json else r)
@@ -172,15 +172,15 @@ def _add_loader(sub):
 
 # %% ../nbs/10_cli.ipynb #d9677c57
 def _checkpoints(args):
-    from dtnb.checkpoint import list_checkpoints
+    from dtnb.train.checkpoint import list_checkpoints
     cl = list_checkpoints(args.dir)
     print(json.dumps(cl.to_dict(), indent=2) if args.json else cl)
     return 0 if cl.complete else 1
 
 def _export(args):
     import torch
-    from dtnb.checkpoint import CheckpointError
-    from dtnb.export import export_checkpoint
+    from dtnb.train.checkpoint import CheckpointError
+    from dtnb.train.export import export_checkpoint
     dt = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
     try: print(export_checkpoint(args.checkpoint, args.out, dtype=dt))
     except (CheckpointError, FileNotFoundError) as e: raise ValueError(str(e)) from None

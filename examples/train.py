@@ -12,10 +12,10 @@ checksum and a hash of the final parameters' bytes (equal hashes: bitwise equal 
 """
 import argparse, hashlib, json
 import torch
-from dtnb.launcher import init_distributed, shutdown, is_main, world_size
-from dtnb.ddp import wrap, distributed_loader
-from dtnb.models import ToyModel, toy_data
-from dtnb.train import fit
+from dtnb.launcher.processes import init_distributed, shutdown, is_main, world_size
+from dtnb.parallel.ddp import wrap, distributed_loader
+from dtnb.core.models import ToyModel, toy_data
+from dtnb.train.loop import fit
 
 
 def main():

@@ -4,12 +4,14 @@ importing the heavy submodules up front."""
 import importlib, inspect, pkgutil, subprocess, sys
 import dtnb
 
-SUBMODULES = sorted(m.name for m in pkgutil.iter_modules(dtnb.__path__) if not m.name.startswith('_'))
+SUBMODULES = sorted(m.name for m in pkgutil.iter_modules(dtnb.__path__) if not m.name.startswith('_'))  # the stages
+MODULES = sorted(m.name for m in pkgutil.walk_packages(dtnb.__path__, 'dtnb.') if '._' not in m.name)  # every room
 
 
 def test_every_public_name_is_what_it_documents_after_every_submodule_is_imported():
-    for m in SUBMODULES: importlib.import_module(f'dtnb.{m}')  # rebinds dtnb.<m> to each submodule
-    assert not set(SUBMODULES) & set(dtnb._API), "a submodule shares its name with a public function"
+    for m in MODULES: importlib.import_module(m)  # rebinds dtnb.<stage> and dtnb.<stage>.<room> to each module
+    assert not set(SUBMODULES) & set(dtnb._API), "a stage package shares its name with a public function"
+    assert not {m.rsplit('.', 1)[1] for m in MODULES} & set(dtnb._API), "a module shares its name with a public function"
     for name in dtnb._API:
         obj = getattr(dtnb, name)
         home = importlib.import_module(dtnb._module_of(name))

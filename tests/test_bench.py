@@ -3,14 +3,14 @@ The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`,
 import json, math, statistics, functools, time, itertools
 import pytest, torch
 import torch.utils.benchmark as tbench
-from dtnb.bench import bench_matmul, time_fn, BenchResult, matmul_flops, cache_bytes, _matmul_case, _pool, _threads
-from dtnb.collectives import (bench_collectives, busbw_factor, busbw, algbw, collective_counts, collective_sizes,
+from dtnb.bench.compute import bench_matmul, time_fn, BenchResult, matmul_flops, cache_bytes, _matmul_case, _pool, _threads
+from dtnb.bench.collectives import (bench_collectives, busbw_factor, busbw, algbw, collective_counts, collective_sizes,
                               expected_output, COLLECTIVES)
-from dtnb.throughput import bench_scaling, bench_all, predict_sync_seconds
-from dtnb.models import ToyModel
-from dtnb.launcher import launch, default_backend
-from dtnb.device import usable_cores
-from dtnb.utils import default_device
+from dtnb.bench.throughput import bench_scaling, bench_all, predict_sync_seconds
+from dtnb.core.models import ToyModel
+from dtnb.launcher.processes import launch, default_backend
+from dtnb.detection.device import usable_cores
+from dtnb.core.utils import default_device
 
 pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
@@ -70,7 +70,7 @@ def test_bus_bandwidth_is_nccl_tests_definition(n):
 def _run_each(ops, numel, seed):
     "Inside a rank: each collective on this rank's random input; returns {op: (input, output)}"
     import torch.distributed as dist
-    from dtnb.collectives import _run_collective
+    from dtnb.bench.collectives import _run_collective
     r, n = dist.get_rank(), dist.get_world_size()
     out = {}
     for op in ops:
@@ -105,8 +105,8 @@ def test_bench_collectives_on_two_ranks():
 
 
 def _corrupt(*args):
-    from dtnb import collectives
-    from dtnb.launcher import rank
+    from dtnb.bench import collectives
+    from dtnb.launcher.processes import rank
     if rank() == 1: collectives._pattern = lambda r, pos: 2 + r + pos % 7   # rank 1 sends data off by one
     return collectives.collective_rank(*args)
 

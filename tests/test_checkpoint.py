@@ -26,9 +26,9 @@ def _run(args, timeout=240):
 
 def test_sigkill_restart_resumes_bitwise(tmp_path):
     "One rank SIGKILLs itself at step 7 of 12; torchrun restarts the group; fit resumes at 6; the end equals a clean run"
-    from dtnb.launcher import launch
-    from dtnb.checkpoint import list_checkpoints
-    from dtnb.export import load_exported
+    from dtnb.launcher.processes import launch
+    from dtnb.train.checkpoint import list_checkpoints
+    from dtnb.train.export import load_exported
     sys.path.insert(0, str(ROOT / 'tests' / 'scripts'))
     from train_ckpt import train
     ref = launch(train, 12, 3, str(tmp_path / 'ref'), str(tmp_path / 'ref.pt'), nprocs=2)[0]  # the same script, never killed
@@ -45,10 +45,10 @@ def test_sigkill_restart_resumes_bitwise(tmp_path):
 
 def _pipeline_run(schedule, steps, ckdir, out):
     "Train ToyModel as a 2-rank pipeline with fit (resuming from `ckdir`), export it; returns losses, start, per-rank state"
-    from dtnb.ddp import wrap, distributed_loader
-    from dtnb.models import ToyModel, toy_data
-    from dtnb.train import fit
-    from dtnb.export import export_model
+    from dtnb.parallel.ddp import wrap, distributed_loader
+    from dtnb.core.models import ToyModel, toy_data
+    from dtnb.train.loop import fit
+    from dtnb.train.export import export_model
     torch.manual_seed(0)
     pipe = wrap(ToyModel(), 'pipeline', loss_fn=nn.functional.mse_loss, n_microbatches=4, schedule=schedule)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
@@ -61,10 +61,10 @@ def _pipeline_run(schedule, steps, ckdir, out):
 
 def _pipeline_load(schedule, ckdir, out):
     "Load a pipeline checkpoint into another split of the model, then export it"
-    from dtnb.ddp import wrap
-    from dtnb.models import ToyModel
-    from dtnb.load import load_checkpoint
-    from dtnb.export import export_model
+    from dtnb.parallel.ddp import wrap
+    from dtnb.core.models import ToyModel
+    from dtnb.train.checkpoint_load import load_checkpoint
+    from dtnb.train.export import export_model
     pipe = wrap(ToyModel(seed=5), 'pipeline', loss_fn=nn.functional.mse_loss, n_microbatches=4, schedule=schedule)
     load_checkpoint(ckdir, pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2))
     export_model(out, pipe)
@@ -72,10 +72,10 @@ def _pipeline_load(schedule, ckdir, out):
 
 def test_pipeline_resumes_bitwise_and_loads_in_any_split(tmp_path):
     "Interleaved pipeline (two stages per rank): stop at 5, resume to 10 = 10 straight; the checkpoint loads on one process and in another split"
-    from dtnb.launcher import launch
-    from dtnb.models import ToyModel
-    from dtnb.load import load_checkpoint
-    from dtnb.export import load_exported
+    from dtnb.launcher.processes import launch
+    from dtnb.core.models import ToyModel
+    from dtnb.train.checkpoint_load import load_checkpoint
+    from dtnb.train.export import load_exported
     ck = str(tmp_path / 'ck')
     straight = launch(_pipeline_run, 'interleaved1f1b', 10, None, tmp_path / 'straight.pt', nprocs=2)
     launch(_pipeline_run, 'interleaved1f1b', 5, ck, tmp_path / 'half.pt', nprocs=2)
@@ -101,7 +101,7 @@ def test_pipeline_resumes_bitwise_and_loads_in_any_split(tmp_path):
 def test_resume_with_loader_workers_and_own_generator():
     "A shuffled DataLoader with 2 workers and its own generator resumes mid-epoch on the same batches"
     from torch.utils.data import DataLoader, TensorDataset
-    from dtnb.resume import resumable, rng_state, set_rng_state
+    from dtnb.train.resume_state import resumable, rng_state, set_rng_state
     ds = TensorDataset(torch.arange(40))
     def make(): return resumable(DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(1)))
     a = make()
@@ -120,8 +120,8 @@ def _bn_run(steps, ckdir):
     "Train the BatchNorm CNN under DDP twice, buffers broadcast from rank 0 (default) and kept per rank; every state"
     sys.path.insert(0, str(ROOT / 'tests'))
     from models_cnn import tiny_cnn, tiny_images
-    from dtnb.ddp import wrap, distributed_loader
-    from dtnb.train import fit
+    from dtnb.parallel.ddp import wrap, distributed_loader
+    from dtnb.train.loop import fit
     out = {}
     for bb in (True, False):
         m = wrap(tiny_cnn(), 'ddp', broadcast_buffers=bb)
@@ -135,7 +135,7 @@ def _bn_run(steps, ckdir):
 
 def test_batchnorm_ddp_resumes_bitwise_buffers_included(tmp_path):
     "BatchNorm CNN, 2 DDP ranks: stop at 3, resume to 7 = 7 straight, parameters and running statistics, on every rank"
-    from dtnb.launcher import launch
+    from dtnb.launcher.processes import launch
     ck = str(tmp_path / 'ck')
     straight = launch(_bn_run, 7, None, nprocs=2)
     launch(_bn_run, 3, ck, nprocs=2)

@@ -4,10 +4,10 @@ import statistics, time
 import psutil, pytest, torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
-from dtnb.data import SyntheticDataset, SyntheticIterable, SampleError, cores_free, profile_loader
-from dtnb.steps import input_bound, RankStepProfiles, StepProfile
-from dtnb.tune import loader_trial, tune_loader, worker_limits, measure_sample_cost, loader_report
-from dtnb.launcher import launch
+from dtnb.data.loaders import SyntheticDataset, SyntheticIterable, SampleError, cores_free, profile_loader
+from dtnb.data.steps import input_bound, RankStepProfiles, StepProfile
+from dtnb.data.tune import loader_trial, tune_loader, worker_limits, measure_sample_cost, loader_report
+from dtnb.launcher.processes import launch
 
 pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
@@ -104,7 +104,7 @@ def test_profile_loader_map_style_and_iterable():
 
 
 def test_profile_loader_takes_a_distributed_loader():
-    from dtnb.ddp import distributed_loader
+    from dtnb.parallel.ddp import distributed_loader
     p = profile_loader(distributed_loader(SyntheticDataset(64, cost_ms=0), batch_size=8), n_batches=4)
     assert p.settings['num_workers'] == 0 and p.samples == 32
 
@@ -224,7 +224,7 @@ def test_spawn_without_persistent_workers_is_advised():
 def _epoch_labels(options, global_batch_size):
     "For each kwargs in `options`: the labels (sample indices) of this rank's share of an epoch, through distributed_loader"
     import torch.distributed as dist
-    from dtnb.ddp import distributed_loader
+    from dtnb.parallel.ddp import distributed_loader
     ds = SyntheticDataset(48, cost_ms=0, shape=(1,), n_classes=48)  # label = index
     labels = [[int(l) for _, ys in distributed_loader(ds, global_batch_size=global_batch_size, **kw) for l in ys]
               for kw in options]

@@ -1,9 +1,9 @@
 "Device detection on this machine, and launcher parsing from explicit environments"
 import json, time
 import pytest
-from dtnb.device import detect
-from dtnb.launchenv import parse_launch_env, LaunchEnvError, expand_nodelist
-from dtnb.specs import capability_features, peak_tflops
+from dtnb.detection.device import detect
+from dtnb.detection.env import parse_launch_env, LaunchEnvError, expand_nodelist
+from dtnb.core.specs import capability_features, peak_tflops
 
 
 def test_real_detection_on_this_machine():
@@ -137,7 +137,7 @@ def test_mpi_launch_summary_names_the_launcher():
 import sys, types
 from types import SimpleNamespace
 import torch
-import dtnb.device as device_mod
+import dtnb.detection.device as device_mod
 
 BUS = ['00000000:18:00.0', '00000000:2A:00.0', '00000000:3A:00.0', '00000000:5D:00.0']  # NVML numbers by PCI bus
 UUIDS = ['GPU-aaaa0000-1111', 'GPU-bbbb0000-2222', 'GPU-cccc0000-3333', 'GPU-dddd0000-4444']

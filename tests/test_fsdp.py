@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 import torch.distributed.fsdp  # imported once here, so that forked ranks do not each pay for it
 from torch import nn
-from dtnb.launcher import launch
-from dtnb.ddp import wrap, distributed_loader
-from dtnb.fsdp import state_bytes, full_state_dict, check_optimizer, plan_fsdp
-from dtnb.models import ToyModel, Block, toy_data
+from dtnb.launcher.processes import launch
+from dtnb.parallel.ddp import wrap, distributed_loader
+from dtnb.parallel.fsdp import state_bytes, full_state_dict, check_optimizer, plan_fsdp
+from dtnb.core.models import ToyModel, Block, toy_data
 
 
 pytestmark = pytest.mark.usefixtures('one_thread_per_module', 'cpu_ranks')
@@ -169,7 +169,7 @@ def test_full_state_dict_of_ddp_and_plain_models():
 
 
 def fit_fsdp(accumulate, clip, **options):
-    from dtnb.train import fit
+    from dtnb.train.loop import fit
     torch.manual_seed(0)
     model = wrap(ToyModel(), 'fsdp', **options)
     r = fit(model, distributed_loader(toy_data(256), global_batch_size=16 // accumulate, shuffle=False), make_opt(model, 'adamw'),
@@ -179,8 +179,8 @@ def fit_fsdp(accumulate, clip, **options):
 
 @pytest.mark.parametrize('accumulate,clip,options', [(1, None, {}), (2, 0.5, {}), (2, 0.5, dict(reshard_after_forward=False, mesh=(2, 1)))])
 def test_fit_runs_fsdp_unchanged(accumulate, clip, options):
-    "dtnb.train.fit on an FSDP model: the losses and parameters of the same fit in one process"
-    from dtnb.train import fit
+    "dtnb.train.loop.fit on an FSDP model: the losses and parameters of the same fit in one process"
+    from dtnb.train.loop import fit
     torch.manual_seed(0)
     model = ToyModel()
     one = fit(model, torch.utils.data.DataLoader(toy_data(256), batch_size=16 // accumulate), make_opt(model, 'adamw'),

@@ -6,7 +6,7 @@ import pytest, torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / 'benchmarks' / 'gpu_bench.py'
-GPU_NBS = ('06_bench', '06b_throughput')
+GPU_NBS = ('07_bench.compute', '07b_bench.throughput')
 
 
 def _script():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, gpu_standin
-from dtnb.utils import accelerators, placement
+from dtnb.core.utils import accelerators, placement
 
 PIN = "os.environ['DTNB_DEVICE'] = 'cpu'"
 GPU_FLAGS = re.compile(r'^#\|\s*(cuda|multicuda)\b', re.M)
@@ -29,14 +29,14 @@ NOTEBOOKS = sorted((ROOT / 'nbs').glob('*.ipynb')) + sorted((ROOT / 'nbs' / 'tut
 # Notebooks that run unpinned: none of their untagged cells starts ranks or places work through dtnb's device choice
 # (run.sh runs them as they are; the pinned ones under the one-GPU stand-in). A new notebook is pinned or listed here.
 UNPINNED = {
-    '00_launchenv': "reads launch environments: no device", '00_specs': "device spec tables: no device",
-    '00_utils': "defines the pin; shows this machine's own devices", '00a_device': "detection: what this machine has",
-    '00b_models': "model definitions, run where they are built", '00c_failures': "error reports: no device",
-    '01a_torchrun': "builds torchrun commands", '02c_schedules': "pipeline schedules on paper",
-    '03_activations': "traces activations where the model is", '03a_memory': "estimates from shapes",
-    '05_data': "loaders in the host process", '06_bench': "benchmarks of the device each call names",
-    '06c_forecast': "predictions on paper", '07_reporting': "renders results", '10_cli': "the commands' arguments",
-    '07a_sections': "the report's sections start CPU ranks themselves where accelerators are too few",
+    '01_detection.env': "reads launch environments: no device", '00a_core.specs': "device spec tables: no device",
+    '00_core.utils': "defines the pin; shows this machine's own devices", '01a_detection.device': "detection: what this machine has",
+    '00c_core.models': "model definitions, run where they are built", '02_launcher.failures': "error reports: no device",
+    '02b_launcher.torchrun': "builds torchrun commands", '03c_parallel.pipeline_schedules': "pipeline schedules on paper",
+    '04_plan.activations': "traces activations where the model is", '04a_plan.memory': "estimates from shapes",
+    '06_data.loaders': "loaders in the host process", '07_bench.compute': "benchmarks of the device each call names",
+    '07c_bench.forecast': "predictions on paper", '08_reporting.document': "renders results", '10_cli': "the commands' arguments",
+    '08a_reporting.sections': "the report's sections start CPU ranks themselves where accelerators are too few",
     'predict': "predictions on paper",
 }
 
@@ -119,8 +119,8 @@ def one_gpu(monkeypatch):
 
 @needs_no_gpu
 def test_loader_report_step_puts_its_model_where_input_bound_puts_batches(one_gpu):
-    from dtnb.tune import _toy_step
-    from dtnb.utils import default_device
+    from dtnb.data.tune import _toy_step
+    from dtnb.core.utils import default_device
     assert default_device() == torch.device('cuda', 0)
     with pytest.raises((AssertionError, RuntimeError), match='CUDA|NVIDIA'):
         _toy_step((3, 4, 4))  # its model goes to cuda:0, where input_bound puts the batches
@@ -129,6 +129,6 @@ def test_loader_report_step_puts_its_model_where_input_bound_puts_batches(one_gp
 
 
 def test_two_ranks_on_one_gpu_are_refused_unless_pinned(one_gpu):
-    from dtnb.launcher import launch
+    from dtnb.launcher.processes import launch
     with pytest.raises(ValueError, match="2 ranks on this node but 1 cuda device"): launch(str, nprocs=2)
     with placement('cpu'): assert launch(str, 1, nprocs=2) == ['1', '1']

@@ -50,7 +50,7 @@ def kernel_children(km):
 
 SETUP = '''
 import torch, torch.distributed as dist, time
-from dtnb.launcher import launch, rank, world_size, LaunchError
+from dtnb.launcher.processes import launch, rank, world_size, LaunchError
 def train(k):
     t = torch.full((2,), float(rank() + 1)); dist.all_reduce(t)
     print(f"rank {rank()} of {world_size()} sees {t.tolist()}")
@@ -142,7 +142,7 @@ def test_dtnb_launch_trains_and_equals_one_process():
 
 
 def test_two_nodes_on_loopback():
-    from dtnb.launcher import free_port
+    from dtnb.launcher.processes import free_port
     port = free_port()
     node = lambda i: subprocess.Popen(
         [DTNB, 'launch', '-n', '1', '--nnodes=2', f'--node-rank={i}', '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{port}',
@@ -165,7 +165,7 @@ def test_cli_launch_bad_input_is_fast():
 
 
 def test_launch_in_process_leaves_nothing():
-    from dtnb.launcher import launch, LaunchError
+    from dtnb.launcher.processes import launch, LaunchError
     import torch.distributed as dist, torch
     def f(): return dist.get_world_size()
     assert launch(f, nprocs=3) == [3, 3, 3]
@@ -178,8 +178,8 @@ def test_launch_in_process_leaves_nothing():
 # torch stays the real CPU build and the process groups are real gloo groups; only torch.accelerator's answers (which
 # accelerator torch was built for, how many devices it counts) are a stand-in, for a node with `n` CUDA GPUs.
 import torch
-from dtnb.launcher import launch, init_distributed, current_device, shutdown, free_port
-from dtnb.utils import placement
+from dtnb.launcher.processes import launch, init_distributed, current_device, shutdown, free_port
+from dtnb.core.utils import placement
 
 
 @pytest.fixture
@@ -225,8 +225,8 @@ def test_placement_cpu_pins_every_launch_beside_a_gpu(gpus):
 @pytest.mark.skipif(gpu_standin.REAL, reason="a real GPU is here: fit's placement on cuda:0 succeeds")
 def test_fit_places_an_unwrapped_model_where_batches_go(gpus):
     "On a one-GPU node fit moves model and batches to cuda:0 (so on torch's CPU build it fails there); pinned, the CPU"
-    from dtnb.train import fit
-    from dtnb.models import ToyModel, toy_data
+    from dtnb.train.loop import fit
+    from dtnb.core.models import ToyModel, toy_data
     gpus(1)
     model, data = ToyModel(), [toy_data(8)[:]]
     with pytest.raises((AssertionError, RuntimeError), match="CUDA|NVIDIA"):

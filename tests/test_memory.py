@@ -4,10 +4,10 @@ import json
 from dataclasses import replace
 import pytest
 import torch, torch.nn as nn, torch.nn.functional as F
-from dtnb.activations import trace_activations
-from dtnb.memory import estimate_memory, recommend, memory_explorer, TransformerShape, optimizer_bytes
-from dtnb.measure import measure_memory
-from dtnb.models import ToyModel, GPT, find_blocks
+from dtnb.plan.activations import trace_activations
+from dtnb.plan.memory import estimate_memory, recommend, memory_explorer, TransformerShape, optimizer_bytes
+from dtnb.plan.measure import measure_memory
+from dtnb.core.models import ToyModel, GPT, find_blocks
 
 pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
@@ -150,7 +150,7 @@ def test_recommend_ladder():
 
 def test_recommend_reads_this_machine():
     "The device memory is the first accelerator's, or on a CPU-only machine the host RAM shared by the 2 ranks"
-    from dtnb.device import detect
+    from dtnb.detection.device import detect
     rep = detect()
     plan = recommend(ToyModel(), torch.randn(4, 16), report=rep, world_size=2)
     acc = rep.accelerators[0] if rep.accelerators else None
@@ -198,7 +198,7 @@ def test_errors_say_what_to_do(call, msg):
 
 def test_rank_error_in_a_real_step_is_reported():
     "A model whose forward fails on the ranks: launch reports the rank's error instead of hanging"
-    from dtnb.launcher import LaunchError
+    from dtnb.launcher.processes import LaunchError
     with pytest.raises(LaunchError) as e:
         measure_memory(ToyModel(d_in=16), torch.randn(4, 7), 'ddp', 2, timeout=60)  # wrong input width
     assert 'mat1 and mat2 shapes cannot be multiplied' in str(e.value)

@@ -5,8 +5,8 @@ import json, os, random, shutil, socket, subprocess, sys, time
 from pathlib import Path
 import pytest
 from conftest import cpu_env
-from dtnb.launchenv import parse_launch_env
-from dtnb.launcher import init_distributed, free_port
+from dtnb.detection.env import parse_launch_env
+from dtnb.launcher.processes import init_distributed, free_port
 
 pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
@@ -24,7 +24,7 @@ LAUNCH_VARS = ('OMPI_', 'PMI', 'PMIX_', 'SLURM_', 'MV2_', 'MPI_', 'I_MPI_', 'PAL
 PROBE = '''import json, torch, torch.distributed as dist, dtnb
 g = dtnb.init_distributed()
 t = torch.tensor([float(dtnb.rank() + 1)]); dist.all_reduce(t)
-le = dtnb.device.parse_launch_env()
+le = dtnb.detection.device.parse_launch_env()
 print(json.dumps(dict(rank=dtnb.rank(), world=dtnb.world_size(), local=dtnb.local_rank(), launcher=le.launcher,
                       master=[le.master_addr, le.master_port], sum=t.item())), flush=True)
 dtnb.shutdown()'''

@@ -6,12 +6,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 import torch.distributed.pipelining, torch.distributed.tensor.parallel, torch.distributed.fsdp  # once, before the ranks fork
-from dtnb.launcher import launch, LaunchError
-from dtnb.models import ToyModel, Block, TinyTransformer, toy_data, toy_sequences
-from dtnb.split import split_model, pipeline_units, balance_bounds
-from dtnb.schedules import schedule_order, simulate_schedule, bubble_fraction, SCHEDULES
-from dtnb.pipeline import apply_pipeline, Pipeline
-from dtnb.parallel import Degrees, parallelize, data_rank, tp_plan, apply_tp
+from dtnb.launcher.processes import launch, LaunchError
+from dtnb.core.models import ToyModel, Block, TinyTransformer, toy_data, toy_sequences
+from dtnb.parallel.pipeline_split import split_model, pipeline_units, balance_bounds
+from dtnb.parallel.pipeline_schedules import schedule_order, simulate_schedule, bubble_fraction, SCHEDULES
+from dtnb.parallel.pipeline import apply_pipeline, Pipeline
+from dtnb.parallel.tensor import Degrees, parallelize, data_rank, tp_plan, apply_tp
 
 pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
@@ -268,7 +268,7 @@ def test_mesh_is_named_and_tp_innermost():
 # ---------------------------------------------------------------- the training loop
 def fit_pipe(degrees, dicts=False):
     from torch.utils.data import DataLoader
-    from dtnb.train import fit
+    from dtnb.train.loop import fit
     quiet()
     deg = Degrees(**degrees)
     mesh = deg.build_mesh()

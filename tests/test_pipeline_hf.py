@@ -7,11 +7,11 @@ import torch
 transformers = pytest.importorskip('transformers')  # the `dev` extra; imported once here, inherited by forked ranks
 import torch.distributed.pipelining  # once, before the ranks fork
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-from dtnb.launcher import launch
-from dtnb.pipeline import apply_pipeline, causal_lm_loss, Pipeline
-from dtnb.parallel import Degrees, parallelize
-from dtnb.memory import estimate_memory
-from dtnb.measure import _stage_bytes
+from dtnb.launcher.processes import launch
+from dtnb.parallel.pipeline import apply_pipeline, causal_lm_loss, Pipeline
+from dtnb.parallel.tensor import Degrees, parallelize
+from dtnb.plan.memory import estimate_memory
+from dtnb.plan.measure import _stage_bytes
 
 pytestmark = pytest.mark.usefixtures('cpu_ranks')
 

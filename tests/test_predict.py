@@ -16,11 +16,11 @@ The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`,
 import pytest
 import functools, statistics, time
 import torch
-from dtnb.launcher import launch
-from dtnb.models import ToyModel
-from dtnb.specs import DeviceSpec
-from dtnb.throughput import step_flops
-from dtnb.forecast import predict, Target
+from dtnb.launcher.processes import launch
+from dtnb.core.models import ToyModel
+from dtnb.core.specs import DeviceSpec
+from dtnb.bench.throughput import step_flops
+from dtnb.bench.forecast import predict, Target
 
 pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
@@ -48,10 +48,10 @@ def _shapes(model, b):
 def _measure(model_fns, rounds=5):
     "In each rank, for each model: its matmul rate (TFLOPS), the all-reduce busbw at its gradients' size, its step"
     import torch.distributed as dist
-    from dtnb.bench import bench_matmul
-    from dtnb.collectives import _run_collective, busbw
-    from dtnb.throughput import _train_step, default_loss
-    from dtnb.ddp import wrap
+    from dtnb.bench.compute import bench_matmul
+    from dtnb.bench.collectives import _run_collective, busbw
+    from dtnb.bench.throughput import _train_step, default_loss
+    from dtnb.parallel.ddp import wrap
     n, cases = dist.get_world_size(), []
     for fn in model_fns:
         torch.manual_seed(0)

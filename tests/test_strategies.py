@@ -8,11 +8,11 @@ import torch.distributed.fsdp  # imported once here, so that forked ranks do not
 import torch.distributed as dist
 transformers = pytest.importorskip('transformers')  # imported once: forked ranks inherit it
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-from dtnb.launcher import launch
-from dtnb.ddp import wrap, make_optimizer, distributed_loader
-from dtnb.memory import estimate_memory, recommend
-from dtnb.measure import _measure_step
-from dtnb.models import ToyModel, toy_data
+from dtnb.launcher.processes import launch
+from dtnb.parallel.ddp import wrap, make_optimizer, distributed_loader
+from dtnb.plan.memory import estimate_memory, recommend
+from dtnb.plan.measure import _measure_step
+from dtnb.core.models import ToyModel, toy_data
 
 transformers.logging.set_verbosity_error()
 STEPS, BATCH, SEQ, VOCAB = 3, 4, 16, 128
@@ -175,8 +175,8 @@ def test_every_recommend_answer_runs():
 
 def zero1_fit(ckpt_dir):
     "On this rank: the check on a full optimizer; fit 4 steps with checkpoints, then a fresh run to 6 that resumes"
-    from dtnb.fsdp import check_optimizer
-    from dtnb.train import fit
+    from dtnb.parallel.fsdp import check_optimizer
+    from dtnb.train.loop import fit
     model = wrap(ToyModel(), 'zero1')
     try: check_optimizer(model, torch.optim.AdamW(model.parameters())); msg = None
     except RuntimeError as e: msg = str(e)
@@ -192,7 +192,7 @@ def zero1_fit(ckpt_dir):
 
 def test_zero1_optimizer_checked_and_resumable(tmp_path):
     "fit refuses a full optimizer on a zero1 model; with ZeRO's, a run stopped at step 4 resumes to the same losses"
-    from dtnb.train import fit
+    from dtnb.train.loop import fit
     torch.manual_seed(0)
     m = ToyModel(); o = torch.optim.AdamW(m.parameters(), lr=1e-2)
     ref = fit(m, torch.utils.data.DataLoader(toy_data(256), batch_size=16), o, max_steps=6, progress=False).losses

@@ -9,11 +9,11 @@ complete checkpoint. The main rank writes the final parameters to `--out` and pr
 import argparse, json, os, signal
 import torch
 from torch import nn
-from dtnb.launcher import init_distributed, shutdown, rank, is_main, world_size
-from dtnb.ddp import wrap, distributed_loader
-from dtnb.models import ToyModel, toy_data
-from dtnb.train import fit
-from dtnb.export import export_model
+from dtnb.launcher.processes import init_distributed, shutdown, rank, is_main, world_size
+from dtnb.parallel.ddp import wrap, distributed_loader
+from dtnb.core.models import ToyModel, toy_data
+from dtnb.train.loop import fit
+from dtnb.train.export import export_model
 
 
 def train(steps=12, every=3, dir=None, out=None, kill_at=0, kill_rank=1) -> dict:
