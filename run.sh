@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The two commands of the README:
+# The commands (the README names main and test):
 #   bash run.sh main   set up .venv and run the main job (dtnb report --quick, written to dtnb-report/)
 #   bash run.sh test   set up .venv, install mpirun and Chromium where it can (test_deps), run every test
-#                      (nbdev-test through tools/test_notebooks.sh, then pytest tests/)
+#                      (nbdev-test through tools/test_notebooks.sh, then pytest tests/) but the long cluster ones
+#   bash run.sh test-long   the tests marked cluster_long (minutes: a real SLURM, elastic restarts on namespace
+#                      hosts); installs slurm-wlm and munge where it can
 # Setup is idempotent: a second run reuses .venv. TORCH_SPEC picks another torch (default: the 2.13.0 wheel,
 # the CPU build on machines that carry it; a GPU machine may set TORCH_SPEC=torch to get its CUDA build).
 set -euo pipefail
@@ -38,12 +40,29 @@ test_deps() {
   [ "${DTNB_REQUIRE_TEST_DEPS:-0}" != 1 ] || exit 1
 }
 
+# What `run.sh test-long` needs besides: SLURM's daemons and clients and munge (tests/test_slurm.py, through
+# tools/slurm.sh; about 30 s of apt-get), installed the same way; without root the tests skip with the reason.
+slurm_deps() {
+  command -v slurmctld >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 &&
+    return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "run.sh: installing slurm-wlm munge with apt-get (for tests/test_slurm.py)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null) && return 0
+  fi
+  echo "run.sh: slurm-wlm munge not installed: run \`sudo apt-get install -y slurm-wlm munge\` for the SLURM tests"
+  [ "${DTNB_REQUIRE_TEST_DEPS:-0}" != 1 ] || exit 1
+}
+
 case "${1:-}" in
   setup) setup ;;
   main)  setup; "$VENV/bin/dtnb" report --quick --out dtnb-report ;;
   test)  setup
          test_deps
          NBDEV_TEST="$VENV/bin/nbdev-test" bash tools/test_notebooks.sh ${DTNB_NBDEV_TEST_ARGS:-}
-         "$VENV/bin/pytest" tests/ -q ;;
-  *) echo "usage: bash run.sh main|test|setup" >&2; exit 2 ;;
+         "$VENV/bin/pytest" tests/ -q -m "not cluster_long" ;;
+  test-long) setup  # minutes on namespace hosts: a real SLURM, elastic restarts (pytest marker cluster_long)
+         test_deps
+         slurm_deps
+         "$VENV/bin/pytest" tests/ -q -m cluster_long ;;
+  *) echo "usage: bash run.sh main|test|test-long|setup" >&2; exit 2 ;;
 esac
