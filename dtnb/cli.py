@@ -15,10 +15,12 @@ __all__ = ['LAUNCH_EPILOG', 'parser', 'main']
 # %% ../nbs/10_cli.ipynb #e8d45553
 def _env(args):
     from dtnb.detection.device import detect
+    from dtnb.launcher.network import network_summary
     r = detect()
-    if args.html: return _html_out(args.html, 'dtnb env', [('machine', 'Machine', r._repr_markdown_())],
-                                   r.fingerprint())
-    print(json.dumps(r.to_dict(), indent=2) if args.json else r)
+    net = network_summary(r.launch.master_addr, r.launch.nnodes)  # what gloo advertises; the interface dtnb sets
+    if args.html: return _html_out(args.html, 'dtnb env', [('machine', 'Machine', r._repr_markdown_()),
+                                                           ('network', 'Network', net)], r.fingerprint())
+    print(json.dumps({**r.to_dict(), 'network': net}, indent=2) if args.json else f"{r}\n\n{'network':>13}: {net}")
     return 0
 
 def _html_out(path, title, sections, subtitle=''):
@@ -43,6 +45,7 @@ def _launch(args):
     tr, script, script_args = _split_launch_args(args.rest)
     if not os.path.exists(script): raise ValueError(f"script {script!r} not found")
     cmd, env = torchrun_command(args.nprocs, script, script_args, tr)
+    if args.peer_timeout is not None: env['DTNB_PEER_TIMEOUT'] = f"{args.peer_timeout:g}"
     if args.dry_run: print(' '.join(cmd)); return 0
     return subprocess.run(cmd, env={**os.environ, **env}).returncode
 
@@ -231,6 +234,8 @@ def parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     l.add_argument('-n', '--nprocs', type=int, required=True, help="ranks on this node (torchrun --nproc-per-node)")
     l.add_argument('--dry-run', action='store_true', help="print the torchrun command instead of running it")
+    l.add_argument('--peer-timeout', type=float, metavar='S', help="seconds a rank may go unheard before every rank "
+                   "stops, naming it (DTNB_PEER_TIMEOUT; default 60, 0: off)")
     l.add_argument('rest', nargs=argparse.REMAINDER, help="torchrun options, then the script and its arguments")
     l.set_defaults(func=_launch)
     _add_plan(sub)
@@ -257,8 +262,10 @@ def main(argv:list[str]|None=None) -> int:
     if extra and getattr(args, 'command', None) != 'launch': p.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra: args.rest = extra + args.rest  # torchrun options that argparse does not know, before the script
     if not getattr(args, 'func', None): p.print_help(); return 2
+    from dtnb.launcher.network import NetworkError
     try: return args.func(args) or 0
-    except ValueError as e:  # bad input (a malformed launcher variable, a wrong option value): say what, not where
+    except (ValueError, NetworkError) as e:  # bad input (a malformed launcher variable, a wrong option value, an
+        # interface that cannot reach the other nodes): say what, not where
         if argv is not None: raise
         print(f"dtnb {args.command}: error: {e}", file=sys.stderr)
         return 2

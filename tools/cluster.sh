@@ -69,9 +69,10 @@ up() {
     ip -n "$h" link set eth0 up
     [ -z "$rate" ] || shape "$p" "$i" "$rate"
   done
-  for i in $(seq 1 "$n"); do  # each host: its own name on 127.0.1.1 (Debian), the others at their addresses (DNS)
+  for i in $(seq 1 "$n"); do  # each host: its own name on 127.0.1.1 (Debian), the others at their addresses (DNS),
+    # its own address named too (reverse lookups of c10d's store succeed)
     h=$(host "$p" "$i"); mkdir -p "/etc/netns/$h"
-    { grep -v '127.0.1.1' /etc/hosts || true; echo "127.0.1.1 host$i"
+    { grep -v '127.0.1.1' /etc/hosts || true; echo "127.0.1.1 host$i"; echo "$SUBNET.$i host$i.cluster"
       for j in $(seq 1 "$n"); do [ "$j" = "$i" ] || echo "$SUBNET.$j host$j"; done; } > "/etc/netns/$h/hosts"
   done
   trap - ERR

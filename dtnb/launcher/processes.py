@@ -13,6 +13,7 @@ from multiprocessing.connection import wait as _wait
 from ..detection.device import usable_cores
 from ..detection.env import parse_launch_env, LaunchEnvError
 from .failures import LaunchError, _report
+from .network import prepare_network, start_peer_watch, stop_peer_watch
 from ..core.utils import accelerators, cpu_pinned
 
 # %% auto #0
@@ -105,6 +106,7 @@ def _rendezvous(env, timeout:float=600) -> dict:
 def init_distributed(backend:str|None=None, # 'gloo', 'nccl', ...; default from the device
                      timeout:float=600,     # seconds a collective may wait before it fails
                      rdzv_timeout:float|None=None, # seconds to wait for every rank to arrive; default `timeout`
+                     peer_timeout:float|None=None, # seconds a rank may go unheard: default DTNB_PEER_TIMEOUT or 60
                     ) -> 'torch.distributed.ProcessGroup':
     "Join the process group this process was launched into (idempotent); returns the default group"
     import torch, torch.distributed as dist
@@ -116,7 +118,9 @@ def init_distributed(backend:str|None=None, # 'gloo', 'nccl', ...; default from 
     backend = check_backend(backend)
     dev = current_device()
     if dev.type not in ('cpu', 'mps'): torch.accelerator.set_device_index(dev.index)
+    if le.launcher != 'dtnb': prepare_network(le.master_addr, le.nnodes, le.local_rank)  # multi-node: the interface
     kw = _rendezvous(os.environ, timeout if rdzv_timeout is None else rdzv_timeout)
+    start_peer_watch(parse_launch_env(), peer_timeout)  # a lost peer stops every rank, naming it (launcher.network)
     if backend == 'nccl': kw['device_id'] = dev
     dist.init_process_group(backend, rank=le.rank, world_size=le.world_size,
                             timeout=datetime.timedelta(seconds=timeout), **kw)
@@ -162,6 +166,7 @@ def shutdown():
     "Leave the process group cleanly: collect garbage, wait for the others, destroy the group"
     import torch.distributed as dist
     if not dist.is_initialized(): return
+    stop_peer_watch()  # leaving on purpose: the peers must not take this rank for lost
     gc.collect()  # drop DDP/FSDP objects that still hold gloo buffers: gloo can abort at exit otherwise
     with contextlib.suppress(Exception): barrier()
     with contextlib.suppress(Exception): dist.destroy_process_group()

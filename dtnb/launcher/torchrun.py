@@ -10,6 +10,7 @@ import os, sys, socket, ipaddress, warnings
 from ..detection.device import usable_cores
 from .processes import free_port, _check_args, _cpu_oversubscription
 from ..core.utils import accelerators
+from .network import prepare_network, route_to
 
 # %% auto #0
 __all__ = ['torchrun_command']
@@ -39,6 +40,19 @@ def _rdzv_host_args(torchrun_args) -> list:
     return ['--rdzv-conf=is_host=1'] if _local_address(host.strip('[]')) else []
 
 # %% ../../nbs/02b_launcher.torchrun.ipynb #a5068d6c
+def _option(args, *names):
+    "The value of the last of `names` in a torchrun argument list (`--opt=v` or `--opt v`), or None"
+    val, names = None, {n.replace('_', '-') for n in names}
+    for i, a in enumerate(args):
+        k, eq, v = a.partition('=')
+        if k.replace('_', '-') in names: val = v if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return val
+
+def _rendezvous_host(args) -> tuple[str|None, int]:
+    "The rendezvous host and the most nodes a torchrun argument list names"
+    host = _option(args, '--master-addr') or (_option(args, '--rdzv-endpoint') or '').rsplit(':', 1)[0] or None
+    return host, int((_option(args, '--nnodes') or '1').split(':')[-1])
+
 _RDZV_OPTS = ('--standalone', '--rdzv-endpoint', '--rdzv_endpoint', '--master-addr', '--master_addr',
               '--rdzv-backend', '--rdzv_backend')
 
@@ -56,4 +70,8 @@ def torchrun_command(nprocs:int, script:str, script_args=(), torchrun_args=()) -
     if '--nnodes' not in given: cmd.append('--nnodes=1')
     env = dict(TORCH_DISABLE_SHARE_RDZV_TCP_STORE='1',  # restarted groups get a fresh store port (gloo restarts)
                OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', str(max(1, usable_cores() // nprocs))))
+    host, nnodes = _rendezvous_host(torchrun_args)
+    env.update(prepare_network(host, nnodes, env=dict(os.environ)))  # multi-node: the interface that reaches `host`
+    if nnodes > 1 and host and not given & {'--local-addr', '--master-addr'}:
+        cmd.append(f'--local-addr={route_to(host).address}')  # the address this agent advertises, not its hostname
     return cmd + [script, *script_args], env
