@@ -13,7 +13,8 @@ PY = sys.executable
 DTNB = str(Path(PY).parent / 'dtnb')
 ARGS = ['examples/train.py', '--steps', '60', '--epochs', '4', '--every', '5']
 # One torch thread per rank everywhere: the matmuls of a rank with 2 threads may round differently from 1 thread's
-ENV = {**cpu_env(None, ROOT), 'OMP_NUM_THREADS': '1'}
+# (and no *_SOCKET_IFNAME: dtnb picks the interface that reaches the rendezvous host)
+ENV = {**{k: v for k, v in cpu_env(None, ROOT).items() if not k.endswith('_SOCKET_IFNAME')}, 'OMP_NUM_THREADS': '1'}
 pytestmark = [pytest.mark.usefixtures('cpu_ranks'), pytest.mark.cluster_long]
 
 
@@ -36,12 +37,10 @@ def uninterrupted(tmp_path_factory):
 def test_killed_host_restarts_and_resumes_bitwise(cluster, uninterrupted, tmp_path):
     import dtnb
     c, ck = cluster(2), tmp_path / 'checkpoints'
-    env = dict(ENV)
-    env['GLOO_SOCKET_IFNAME'] = 'eth0'  # TEMPORARY until dtnb chooses the interface (branch cluster-net)
     def agent(i, log):
         return c.run(i, [DTNB, 'launch', '-n', '1', '--nnodes=2', '--max-restarts=2', '--rdzv-backend=c10d',
                          f'--rdzv-endpoint={c.addr(1)}:29400', '--rdzv-id=elastic', *ARGS, '--checkpoint-dir', ck],
-                     env=env, cwd=ROOT, stdout=open(log, 'w'), stderr=subprocess.STDOUT)
+                     env=ENV, cwd=ROOT, stdout=open(log, 'w'), stderr=subprocess.STDOUT)
     logs = [tmp_path / n for n in ('host1.log', 'host2.log', 'host2-again.log')]
     a1, a2 = agent(1, logs[0]), agent(2, logs[1])
     end = time.monotonic() + 240

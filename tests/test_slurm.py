@@ -29,10 +29,9 @@ def slurm():
 
 def job_env(tmp_path):
     "The environment a job inherits from sbatch: dtnb's python first on PATH, checkpoints under tmp_path"
-    env = cpu_env(None, ROOT)
+    env = {k: v for k, v in cpu_env(None, ROOT).items() if not k.endswith('_SOCKET_IFNAME')}  # dtnb picks it
     env['PATH'] = f"{Path(PY).parent}{os.pathsep}{env['PATH']}"
     env['DTNB_CHECKPOINTS'] = str(tmp_path / 'checkpoints')
-    env['GLOO_SOCKET_IFNAME'] = 'eth0'  # TEMPORARY until dtnb chooses the interface (branch cluster-net)
     return env
 
 
