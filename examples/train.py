@@ -40,7 +40,8 @@ def main():
     sha = hashlib.sha256(b''.join(p.detach().cpu().numpy().tobytes() for p in inner.parameters())).hexdigest()
     if is_main():
         print(json.dumps(dict(world_size=world_size(), steps=res.steps, losses=res.losses, checksum=checksum,
-                              params_sha256=sha, start_step=res.start_step, samples_per_s=res.samples_per_s)), flush=True)
+                              params_sha256=sha, start_step=res.start_step, samples_per_s=res.samples_per_s)),
+              flush=True)
     del model, opt
     shutdown()
 

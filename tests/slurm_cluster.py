@@ -18,7 +18,8 @@ def slurm_unavailable():
     from cluster import cluster_unavailable
     if (why := cluster_unavailable()): return why
     if (miss := [c for c in DAEMONS if shutil.which(c) is None]):
-        return f"no {', '.join(miss)}: install with `apt-get install -y slurm-wlm munge` (`bash run.sh test` does as root)"
+        return (f"no {', '.join(miss)}: install with `apt-get install -y slurm-wlm munge` "
+                "(`bash run.sh test-long` does as root)")
     return None
 
 

@@ -22,7 +22,10 @@ need() {
   for c in munged slurmctld slurmd sbatch; do command -v $c >/dev/null || missing+=($c); done
   [ ${#missing[@]} -eq 0 ] || die "no ${missing[*]}: install them with \`apt-get install -y slurm-wlm munge\`"
 }
-on() { local d=$1 i=$2; shift 2; SLURM_CONF="$d/slurm.conf" bash "$CLUSTER" exec --prefix "$(cat "$d/prefix")" "$i" -- "$@"; }
+on() {  # on D I CMD ...: run CMD on host I of the cluster in D, with its SLURM_CONF
+  local d=$1 i=$2; shift 2
+  SLURM_CONF="$d/slurm.conf" bash "$CLUSTER" exec --prefix "$(cat "$d/prefix")" "$i" -- "$@"
+}
 
 config() {  # config D N CPUS
   local d=$1 n=$2 cpus=$3 i
