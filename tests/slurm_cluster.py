@@ -71,3 +71,6 @@ class SlurmCluster:
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.down()
+    def __del__(self):  # a notebook cell that failed before its down(): the kernel's exit stops the daemons
+        try: self.down()
+        except Exception: pass
