@@ -43,6 +43,7 @@ def test_killed_host_restarts_and_resumes_bitwise(cluster, uninterrupted, tmp_pa
                          f'--rdzv-endpoint={c.addr(1)}:29400', '--rdzv-id=elastic', *ARGS, '--checkpoint-dir', ck],
                      env=ENV, cwd=ROOT, stdout=open(log, 'w'), stderr=subprocess.STDOUT)
     logs = [tmp_path / n for n in ('host1.log', 'host2.log', 'host2-again.log')]
+    dtnb.latest_checkpoint(tmp_path, warn=False)  # imported now, so that the first look below is quick
     a1, a2 = agent(1, logs[0]), agent(2, logs[1])
     end = time.monotonic() + 240
     while not (ck.exists() and dtnb.latest_checkpoint(ck, warn=False)):

@@ -71,6 +71,7 @@ def test_requeue_resumes_from_checkpoint_bitwise(slurm, tmp_path):
     args = ['--steps', '60', '--epochs', '4', '--every', '5']
     plain_out, requeued_out = tmp_path / 'plain.out', tmp_path / 'requeued.out'
     env = job_env(tmp_path)
+    dtnb.latest_checkpoint(tmp_path, warn=False)  # imported now, so that the first look below is quick
     plain = slurm.sbatch('examples/slurm.sbatch', *args, env=env, output=plain_out)
     slurm.wait(plain, timeout=240)
     job = slurm.sbatch('examples/slurm.sbatch', *args, env=env, output=requeued_out)
