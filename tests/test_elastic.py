@@ -1,7 +1,7 @@
 """Elastic recovery across namespace hosts (tools/cluster.sh): `dtnb launch` on each host with the c10d rendezvous at
 host 1's own address and `--max-restarts`; every process of host 2 killed mid-run, then host 2 started again: the
 job continues from its last complete checkpoint (`fit(checkpoint_dir=...)`) and ends with parameters and losses
-bitwise equal to an uninterrupted 2-rank run. The CPU is the subject (`cpu_ranks`): ranks are CPU ranks on gloo,
+bitwise equal to an uninterrupted 2-rank run. With `--nnodes=1:2` and host 2 lost for good, host 1 goes on alone. The CPU is the subject (`cpu_ranks`): ranks are CPU ranks on gloo,
 whose all-reduce of two ranks sums two numbers, so the result does not depend on which hosts the ranks ran on.
 Needs root (skips without)."""
 import json, os, subprocess, sys, time
@@ -62,3 +62,30 @@ def test_killed_host_restarts_and_resumes_bitwise(cluster, uninterrupted, tmp_pa
     assert res['params_sha256'] == uninterrupted['params_sha256']
     assert res['losses'] == uninterrupted['losses']
     assert c.pids() == []  # nothing left on either host
+
+
+def test_min_max_nodes_go_on_without_a_lost_host(cluster, tmp_path):
+    "--nnodes=1:2 and host 2 lost for good: host 1 resumes alone from the checkpoint and ends as one process does"
+    import dtnb
+    one = subprocess.run([PY, *ARGS], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    (ref,) = [json.loads(l) for l in one.stdout.splitlines() if l.startswith('{')]
+    c, ck = cluster(2), tmp_path / 'checkpoints'
+    dtnb.latest_checkpoint(tmp_path, warn=False)  # imported now, so that the first look below is quick
+    logs = [tmp_path / 'host1.log', tmp_path / 'host2.log']
+    a1, a2 = [c.run(i, [DTNB, 'launch', '-n', '1', '--nnodes=1:2', '--max-restarts=2', '--rdzv-backend=c10d',
+                        f'--rdzv-endpoint={c.addr(1)}:29400', '--rdzv-id=minmax', *ARGS, '--checkpoint-dir', ck],
+                  env=ENV, cwd=ROOT, stdout=open(log, 'w'), stderr=subprocess.STDOUT) for i, log in zip((1, 2), logs)]
+    end = time.monotonic() + 240
+    while not (ck.exists() and dtnb.latest_checkpoint(ck, warn=False)):
+        assert a1.poll() is None and a2.poll() is None, [l.read_text()[-2000:] for l in logs]
+        assert time.monotonic() < end, "no checkpoint within 240 s"
+        time.sleep(0.05)
+    subprocess.run(['kill', '-KILL', *map(str, c.pids(2))])  # host 2 is gone and stays gone
+    assert a1.wait(timeout=300) == 0, logs[0].read_text()[-3000:]
+    (res,) = results(logs[0])
+    assert 'fit: resumed from' in logs[0].read_text() and 0 < res['start_step'] < 60, res
+    assert (res['world_size'], res['steps']) == (1, 60)  # the world shrank to the one node left
+    assert res['losses'] == pytest.approx(ref['losses'], abs=1e-5)
+    assert res['checksum'] == pytest.approx(ref['checksum'], abs=1e-4)
+    assert c.pids() == []
