@@ -1,9 +1,9 @@
 """Elastic recovery across namespace hosts (tools/cluster.sh): `dtnb launch` on each host with the c10d rendezvous at
 host 1's own address and `--max-restarts`; every process of host 2 killed mid-run, then host 2 started again: the
 job continues from its last complete checkpoint (`fit(checkpoint_dir=...)`) and ends with parameters and losses
-bitwise equal to an uninterrupted 2-rank run. With `--nnodes=1:2` and host 2 lost for good, host 1 goes on alone. The CPU is the subject (`cpu_ranks`): ranks are CPU ranks on gloo,
-whose all-reduce of two ranks sums two numbers, so the result does not depend on which hosts the ranks ran on.
-Needs root (skips without)."""
+bitwise equal to an uninterrupted 2-rank run. With `--nnodes=1:2` and host 2 lost for good, host 1 goes on alone.
+The CPU is the subject (`cpu_ranks`): ranks are CPU ranks on gloo, whose all-reduce of two ranks sums two numbers,
+so the result does not depend on which hosts the ranks ran on. Needs root (skips without)."""
 import json, os, subprocess, sys, time
 from pathlib import Path
 import pytest
