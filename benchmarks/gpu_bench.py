@@ -15,8 +15,9 @@
 
 Without CUDA (and without --device cpu) it says so and exits 0, measuring and writing nothing. Otherwise it prints
 a table per section with the device fingerprint and writes gpu_bench.json to --out, else $DTNB_BENCH_OUT, else
-./gpu-bench-<UTC time>/. Exit 1 when a section raised, or (--strict, or DTNB_BENCH_STRICT=1) when an anchor was
-missed on a GPU. tools/gpu_check.sh runs it that way. Not a test.
+./gpu-bench-<UTC time>/, after each section (`complete` turns true at the end: a run stopped early keeps what it
+measured). Exit 1 when a section raised, or (--strict, or DTNB_BENCH_STRICT=1) when an anchor was missed on a GPU.
+tools/gpu_check.sh runs it that way. Not a test.
 """
 import argparse, datetime, gc, json, math, os, platform, shutil, statistics, subprocess, sys, time, traceback
 from pathlib import Path
@@ -409,7 +410,9 @@ def main(argv=None):
     if device.type == 'cpu': print("gpu_bench: --device cpu: tiny sizes, the comparison logic only; no GPU figure")
     result = dict(script='benchmarks/gpu_bench.py', gpu_figures=device.type == 'cuda', measured_on=str(device),
                   quick=a.quick, timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-                  fingerprint=fp, config={k: v for k, v in cfg.items()}, sections={})
+                  fingerprint=fp, config={k: v for k, v in cfg.items()}, sections={}, complete=False)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / 'gpu_bench.json'
     failed = False
     for name in only:
         t0 = time.perf_counter()
@@ -418,15 +421,15 @@ def main(argv=None):
         sec['seconds'] = time.perf_counter() - t0
         sec['anchors'] = [dict(anchor=k, value=v, verdict=anchor_verdict(v, device)) for k, v in sec.get('anchors', [])]
         result['sections'][name] = sec
+        path.write_text(json.dumps(result, indent=1, default=str))  # each section kept as soon as it is measured
         show(name, sec)
         if device.type == 'cuda': gc.collect(); torch.cuda.empty_cache()
     anchors = [x for s in result['sections'].values() for x in s['anchors']]
     missed = [x['anchor'] for x in anchors if x['verdict'] == 'MISSED']
-    result.update(anchors_missed=missed, failed_sections=[k for k, s in result['sections'].items() if 'error' in s])
+    result.update(anchors_missed=missed, failed_sections=[k for k, s in result['sections'].items() if 'error' in s],
+                  complete=True)
     print('\n== anchors' + ('' if device.type == 'cuda' else ' (CPU: the logic only, no GPU anchor is checked here)'))
     for x in anchors: print(f"  {x['verdict']:>7}  {x['anchor']}: {fmt(x['value'])}")
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / 'gpu_bench.json'
     path.write_text(json.dumps(result, indent=1, default=str))
     print(f"\ngpu_bench: wrote {path}")
     return 1 if failed or (a.strict and missed) else 0

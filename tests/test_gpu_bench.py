@@ -23,7 +23,7 @@ def test_cpu_path_runs_every_comparison(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert 'no GPU figure' in r.stdout and '== anchors' in r.stdout
     d = json.loads((tmp_path / 'gpu_bench.json').read_text())
-    assert d['gpu_figures'] is False and d['measured_on'] == 'cpu' and d['failed_sections'] == []
+    assert d['gpu_figures'] is False and d['measured_on'] == 'cpu' and d['failed_sections'] == [] and d['complete']
     assert d['fingerprint']['torch'] == torch.__version__ and d['fingerprint']['dtnb']
     s = d['sections']
     assert list(s) == ['matmul', 'memory', 'mfu', 'step']

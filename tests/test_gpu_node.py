@@ -83,7 +83,8 @@ def _pytestmark_fixtures(tree) -> set:
 UNPINNED_TESTS = {
     'test_api.py': "imports and signatures", 'test_device.py': "detection, with its own NVML and CUDA stand-ins",
     'test_gpu_bench.py': "gpu_bench.py with --device cpu; its GPU path runs under tools/gpu_check.sh",
-    'test_gpu_check.py': "the no-GPU path of tools/gpu_check.sh; skips itself where a GPU is",
+    'test_gpu_check.py': "tools/gpu_check.sh's no-GPU path and dry run (which pins what it runs itself); skips "
+                         "itself where a GPU is",
     'test_gpu_node.py': "this module: GPU rules on the stand-in", 'test_site.py': "the docs site in a browser",
 }
 TEST_MODULES = sorted((ROOT / 'tests').glob('test_*.py'))

@@ -4,15 +4,19 @@
 #
 #   tools/build_wheelhouse.sh [DEST]    default .whl/ (ignored by git); must stay under 64 MiB
 #
-# PYVER (default: this python's version) and ARCH (default x86_64) name the GPU machine's Python and CPU, so
-# binary wheels match it, e.g. PYVER=3.12 for a machine whose python3 is 3.12. Then copy DEST there beside the repo.
 # HAVE names a file of what the GPU machine already has (`python3 -m pip list --format=freeze` run there, or one
 # name per line): those projects are left out (the offline install there uses its own), which keeps the wheelhouse
-# small; GPU images usually hold numpy, matplotlib, transformers and tensorboard. Without HAVE every wheel is fetched.
+# small. Default: tools/gpu_image_packages.txt, the borrowed GPU machines' image (torch, numpy, matplotlib,
+# transformers, tensorboard...). HAVE= (empty) fetches every wheel (about 100 MiB: too much to carry).
+# PYVER and ARCH (default x86_64) name the GPU machine's Python and CPU, so binary wheels match it. PYVER's default:
+# the HAVE file's `# python X.Y` line (3.12 for the image), else this python's version. Then copy DEST there beside
+# the repo. So on a networked machine, one command builds the image's wheelhouse: bash tools/build_wheelhouse.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DEST=${1:-.whl}
+HAVE=${HAVE-tools/gpu_image_packages.txt}
+[ -z "$HAVE" ] || [ -n "${PYVER:-}" ] || PYVER=$(sed -n 's/^# python \([0-9.]*\)$/\1/p' "$HAVE" | head -1)
 PYVER=${PYVER:-$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')}
 ARCH=${ARCH:-x86_64}
 reqs=$(mktemp); trap 'rm -f "$reqs"' EXIT

@@ -12,9 +12,10 @@
 #
 # Host I is the namespace P-hI: `lo` and `eth0` up, address 10.77.0.I/24, hostname hostI (its own UTS namespace,
 # under `exec`), and an /etc/hosts that maps hostI to 127.0.1.1 the way Debian and Ubuntu do (the trap gloo falls
-# into when it advertises what the hostname resolves to) and the other hosts' names to their addresses. The hosts' cables end in a bridge that lives in its own
-# namespace P-sw (the switch), so that no address of the cluster exists outside it: the root namespace and other
-# clusters cannot reach it, and two clusters may use the same addresses at once. RATE is tc's (1gbit, 100mbit).
+# into when it advertises what the hostname resolves to) and the other hosts' names to their addresses. The hosts'
+# cables end in a bridge that lives in its own namespace P-sw (the switch), so that no address of the cluster exists
+# outside it: the root namespace and other clusters cannot reach it, and two clusters may use the same addresses at
+# once. RATE is tc's (1gbit, 100mbit).
 # This kernel has tbf and htb but not netem: rates can be shaped, latency and loss cannot.
 set -euo pipefail
 SUBNET=10.77.0
@@ -141,5 +142,5 @@ case "$cmd" in
         if [ -n "${rest[0]:-}" ]; then host_arg "${rest[0]}"; ip netns pids "$(host "$prefix" "${rest[0]}")"
         else for ns in $(hosts_of "$prefix"); do ip netns pids "$ns"; done; fi ;;
   list) ip netns list 2>/dev/null | awk '{print $1}' | sed -n 's/-sw$//p' ;;
-  *) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+  *) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2 ;;
 esac

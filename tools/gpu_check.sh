@@ -1,20 +1,50 @@
 #!/usr/bin/env bash
-# One command for a GPU machine (torch preinstalled, no network): install dtnb and its pure-Python dependencies
-# from a wheelhouse built beforehand by tools/build_wheelhouse.sh, then run every GPU check and write all of it
-# (logs, the report, JSON) to one folder. On a machine without a GPU it says so and exits 0, doing nothing else.
+# The GPU check, made for a short borrowed slot (one GPU, no network, a few minutes, a few files back): the steps run
+# in order of value, each inside its own time slice, and everything lands in ONE archive plus a small summary.json
+# beside it, both rewritten after every step, so whatever ran is kept even if the slot ends early.
 #
-#   tools/gpu_check.sh [OUT_DIR]      default: $OUT, else gpu-check-<date>/
-#   tools/gpu_check.sh --install-only install from the wheelhouse, run nothing
-#   tools/gpu_check.sh --requirements print what the wheelhouse must hold (dtnb's deps, the test tools; no torch)
-#   tools/gpu_check.sh --flags-for N  print the nbdev-test flags used with N GPUs (multicuda only with 2 or more)
+#   tools/gpu_check.sh [--budget SECONDS] [--slice STEP=SECONDS]... [--only STEP,...] [--dry-run] [OUT_DIR]
+#   tools/gpu_check.sh --install-only   install from the wheelhouse, run nothing
+#   tools/gpu_check.sh --requirements   print what the wheelhouse must hold (dtnb's deps, the test tools; no torch)
+#   tools/gpu_check.sh --flags-for N    print the nbdev-test flags for N GPUs (multicuda only with 2 or more)
+#   tools/gpu_check.sh --steps          print the steps in order, with their share of the budget (with --dry-run:
+#                                       the dry run's shares)
 #
-# Environment: PYTHON (default python3: the one that has torch), WHEELHOUSE (default .whl), GPU_CHECK_VENV (where
-# to install when PYTHON is not a venv already; default $TMPDIR/dtnb-gpu-venv, made with --system-site-packages so
-# the preinstalled torch is used; `none` installs into PYTHON itself).
+# OUT_DIR (default $OUT, else gpu-check-<date>/) receives gpu-check.tar.gz (every log and result) and summary.json
+# (each step: its slice, seconds, exit code, 'timeout' or 'skipped'). The steps, most valuable first:
+#   1. install (offline, from the wheelhouse), env (`dtnb env --json`), nvidia_smi
+#   2. gpu_bench   benchmarks/gpu_bench.py --quick, every section, anchors held (DTNB_BENCH_STRICT=1)
+#   3. report      dtnb report --quick (every section)
+#   4. cuda_cells  only the `#| cuda` notebook cells and what they need (tools/cuda_cells.py; the CPU cells are CI's)
+#      cuda_tests  only the `cuda`-marked tests
+#      train       fit in bf16-mixed and find_batch_size's trying path (tools/gpu_train_check.py)
+# A step's slice is its share of the budget (or --slice), never more than what is left; a step that runs past it is
+# stopped (TERM to its process group, KILL 5 s later, then any process that carries its tag) and the next one runs; a
+# step with under 10 s left is skipped. A slice is at least 15 s. Exit 1 when a step failed or ran out of time.
+#
+# --dry-run runs the same sequence, slices, stopping and archive on a machine without a GPU: the CPU forms of the
+# steps (gpu_bench --device cpu, the report's first sections, the cells' slices without their GPU cells, under the
+# one-GPU stand-in of tests/standin where a notebook is pinned to the CPU, fit and find_batch_size's estimate on the
+# CPU) and PYTHON's own environment instead of the offline install (tools/check_wheelhouse.sh checks that). CI runs
+# it with a budget of 150 s. Without --dry-run, on a machine without a GPU it says so and
+# exits 0, doing nothing else.
+#
+# Environment: PYTHON (default python3: the one that has torch), WHEELHOUSE (default .whl), GPU_CHECK_VENV (where to
+# install when PYTHON is not a venv already; default $TMPDIR/dtnb-gpu-venv, made with --system-site-packages so the
+# preinstalled torch is used; `none` installs into PYTHON itself), GPU_CHECK_HANG=STEP (tests: that step's command
+# becomes a sleep that outlasts any slice, with a child of its own).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 PY=${PYTHON:-python3}
+PY0=$PY  # writes the summary: the python given, whatever the install step made of it
 WHEELS=${WHEELHOUSE:-.whl}
+
+# The steps in order of value, with their share of the budget in percent (the shares add up to more than 100: most
+# steps end well inside their slice, and none gets more than what is left).
+STEPS="install:12 env:6 nvidia_smi:3 gpu_bench:30 report:20 cuda_cells:25 cuda_tests:10 train:12"
+# The dry run's CPU forms cost otherwise: no GPU benchmark to speak of, the cells' slices and the imports dominate.
+STEPS_DRY="install:5 env:10 nvidia_smi:3 gpu_bench:20 report:25 cuda_cells:35 cuda_tests:5 train:20"
 
 requirements() {  # from pyproject.toml: build requirements, dependencies and the nvml/safetensors/dev extras
   "$PY" - <<'EOF'
@@ -59,56 +89,143 @@ flags_for() {  # nbdev-test flags for $1 GPUs: #| multicuda cells need two or mo
   if [ "${1:-0}" -ge 2 ]; then echo "cuda multicuda slow"; else echo "cuda slow"; fi
 }
 
-case "${1:-}" in
-  --requirements) requirements; exit ;;
-  --flags-for) flags_for "${2:-0}"; exit ;;
-  --install-only) install; exit ;;
-esac
+# ---------------------------------------------------------------- arguments
+BUDGET=480; DRY=0; ONLY=""; OUT_DIR=""; SHOW_STEPS=0; declare -A SLICE=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --requirements) requirements; exit ;;
+    --flags-for) flags_for "${2:-0}"; exit ;;
+    --install-only) install; exit ;;
+    --steps) SHOW_STEPS=1 ;;
+    --budget) BUDGET=$2; shift ;;
+    --slice) SLICE[${2%%=*}]=${2#*=}; shift ;;
+    --only) ONLY=",$2,"; shift ;;
+    --dry-run) DRY=1 ;;
+    -*) echo "gpu_check: unknown option $1 (see the head of $0)" >&2; exit 2 ;;
+    *) OUT_DIR=$1 ;;
+  esac
+  shift
+done
+case "$BUDGET" in ''|*[!0-9]*) echo "gpu_check: --budget takes whole seconds, not '$BUDGET'" >&2; exit 2 ;; esac
+[ $DRY = 0 ] || STEPS=$STEPS_DRY
+if [ $SHOW_STEPS = 1 ]; then for s in $STEPS; do echo "${s%%:*} ${s##*:}%"; done; exit; fi
 
 n=$(gpu_count)
-if [ "${n:-0}" -eq 0 ]; then
+if [ "${n:-0}" -eq 0 ] && [ $DRY = 0 ]; then
   echo "gpu_check: no GPU on this machine (nvidia-smi and torch see none): nothing to check, nothing run."
+  echo "  (tools/gpu_check.sh --dry-run runs the same sequence on this machine's CPU)"
   exit 0
 fi
 
-OUT_DIR=${1:-${OUT:-gpu-check-$(date +%Y%m%d-%H%M%S)}}
+OUT_DIR=${OUT_DIR:-${OUT:-gpu-check-$(date +%Y%m%d-%H%M%S)}}
 mkdir -p "$OUT_DIR"; OUT_DIR=$(cd "$OUT_DIR" && pwd)
-echo "gpu_check: $n GPU(s); everything goes to $OUT_DIR"
-if ! install >"$OUT_DIR/install.log" 2>&1; then
-  echo "install failed: see $OUT_DIR/install.log"; tail -20 "$OUT_DIR/install.log"; exit 1
-fi
-export DTNB_GPU_CHECK=1  # tests/test_gpu_check.py skips itself under this script
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX"); trap 'rm -rf "$WORK"' EXIT
+RES=$WORK/gpu-check; mkdir -p "$RES"  # what the archive holds: one log per step and every result file
+START=$SECONDS; STATUS=0; : >"$WORK/steps.tsv"
+echo "gpu_check: $n GPU(s)$( [ $DRY = 1 ] && echo ', dry run on the CPU'); budget ${BUDGET} s; results in $OUT_DIR" |
+  tee "$RES/gpu_check.log"
 
-status=0; : >"$OUT_DIR/summary.tsv"
-step() {  # step NAME COMMAND...: run, log to NAME.log, record exit code and seconds
-  local name=$1; shift; local t0=$SECONDS
-  echo "== $name: $*"
-  "$@" >"$OUT_DIR/$name.log" 2>&1; local rc=$?
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >>"$OUT_DIR/summary.tsv"
-  echo "   exit $rc in $((SECONDS - t0)) s"; [ $rc -eq 0 ] || status=1
+# ---------------------------------------------------------------- the step runner
+say() { echo "$*" | tee -a "$RES/gpu_check.log"; }  # the console, kept in the archive too
+
+pack() {  # summary.json and the archive, rewritten whole after each step (write, then rename: never half a file)
+  "$PY0" - "$WORK/steps.tsv" "$RES/summary.json" "$BUDGET" "$DRY" "$n" "$((SECONDS - START))" <<'EOF' || true
+import json, sys
+tsv, out, budget, dry, gpus, secs = sys.argv[1:]
+steps = []
+for line in open(tsv):
+    name, slice_s, seconds, code = line.rstrip('\n').split('\t')
+    steps.append(dict(step=name, slice=int(slice_s), seconds=int(seconds),
+                      exit=int(code) if code.lstrip('-').isdigit() else code, log=f'gpu-check/{name}.log'))
+json.dump(dict(budget=int(budget), seconds=int(secs), dry_run=dry == '1', gpus=int(gpus), steps=steps,
+               passed=all(s['exit'] in (0, 'skipped') for s in steps)), open(out, 'w'), indent=1)
+EOF
+  cp "$RES/summary.json" "$OUT_DIR/.summary.json.part" && mv "$OUT_DIR/.summary.json.part" "$OUT_DIR/summary.json"
+  tar czf "$OUT_DIR/.gpu-check.tar.gz.part" -C "$WORK" gpu-check &&
+    mv "$OUT_DIR/.gpu-check.tar.gz.part" "$OUT_DIR/gpu-check.tar.gz"
 }
 
-{ nvidia-smi; nvidia-smi topo -m; } >"$OUT_DIR/nvidia-smi.txt" 2>&1
-step env-json sh -c "dtnb env --json >'$OUT_DIR/env.json'"
-step env dtnb env
-flags=$(flags_for "$n")
-[ "$n" -ge 2 ] || echo "gpu_check: one GPU: #| multicuda cells and multicuda tests are skipped"
-step nbdev-test bash tools/test_notebooks.sh --flags "$flags" --n-workers 1 --timing  # pinned, then unpinned
-marks=$( [ "$n" -ge 2 ] && echo "" || echo "not multicuda" )
-step pytest "$PY" -m pytest -ra -p no:cacheprovider tests --ignore=tests/test_site.py -m "$marks" \
-  --junitxml="$OUT_DIR/pytest.xml"
-step bench dtnb bench --out "$OUT_DIR/bench"
-for f in benchmarks/gpu_*.py; do  # GPU benchmarks: each prints its figures beside plain torch loops, writes JSON
-  [ -e "$f" ] || continue          # to $DTNB_BENCH_OUT and, under DTNB_BENCH_STRICT=1, fails when an anchor is missed
-  step "$(basename "$f" .py)" env DTNB_BENCH_OUT="$OUT_DIR/benchmarks" DTNB_BENCH_STRICT=1 "$PY" "$f"
-done
-step report dtnb report --quick --out "$OUT_DIR/report"
+sweep() {  # end every process still carrying the step's tag (one that left the process group, e.g. with setsid)
+  local tag=$1 p
+  for p in /proc/[0-9]*; do
+    grep -qsz "^GPU_CHECK_TAG=$tag\$" "$p/environ" 2>/dev/null && kill -KILL "${p#/proc/}" 2>/dev/null
+  done
+}
 
-"$PY" - "$OUT_DIR" <<'EOF'
-import json, sys
-out = sys.argv[1]
-steps = [dict(step=s, exit=int(rc), seconds=int(t)) for s, rc, t in (l.split('\t') for l in open(f'{out}/summary.tsv'))]
-json.dump(dict(steps=steps, passed=all(s['exit'] == 0 for s in steps)), open(f'{out}/summary.json', 'w'), indent=1)
-EOF
-echo "gpu_check: $( [ $status -eq 0 ] && echo all passed || echo 'FAILURES (see summary.tsv)' ); results in $OUT_DIR"
-exit $status
+step() {  # step NAME COMMAND...: run it in its slice, its output in NAME.log; record slice, seconds, exit
+  local name=$1; shift
+  if [ -n "$ONLY" ] && [[ $ONLY != *",$name,"* ]]; then return; fi
+  local share=0 s; for s in $STEPS; do [ "${s%%:*}" = "$name" ] && share=${s##*:}; done
+  local left=$((BUDGET - (SECONDS - START) - 10))  # 10 s kept for the last archive
+  local slice=${SLICE[$name]:-$((BUDGET * share / 100 > 15 ? BUDGET * share / 100 : 15))}
+  [ "$slice" -le "$left" ] || slice=$left
+  if [ "$left" -lt 10 ]; then
+    say "== $name: skipped (${left} s left of the budget)"
+    printf '%s\t%s\t0\tskipped\n' "$name" "$slice" >>"$WORK/steps.tsv"; pack; return
+  fi
+  # a hang for the tests: children in the step's process group and one that left it (setsid), all to be ended
+  [ "${GPU_CHECK_HANG:-}" != "$name" ] || set -- bash -c 'setsid sleep 100000 & sleep 100000 & sleep 100000'
+  say "== $name (slice ${slice} s): $*"
+  local t0=$SECONDS tag="$$-$name" rc
+  GPU_CHECK_TAG=$tag timeout --kill-after=5 "$slice" "$@" >"$RES/$name.log" 2>&1 </dev/null; rc=$?
+  sweep "$tag"
+  local code=$rc; [ $rc -ne 124 ] && [ $rc -ne 137 ] || code=timeout
+  [ $rc -ne 137 ] || [ $((SECONDS - t0)) -ge "$slice" ] || code=137  # killed by something else, inside its slice
+  printf '%s\t%s\t%s\t%s\n' "$name" "$slice" "$((SECONDS - t0))" "$code" >>"$WORK/steps.tsv"
+  say "   $( [ "$code" = timeout ] && echo "stopped at its slice" || echo "exit $code") after $((SECONDS - t0)) s"
+  [ "$code" = 0 ] || { STATUS=1; tail -5 "$RES/$name.log" | sed 's/^/   | /' | tee -a "$RES/gpu_check.log"; }
+  pack
+}
+
+# ---------------------------------------------------------------- what the steps run (functions, for `bash -c`)
+env_json() { dtnb env --json >"$RES/env.json" && echo "wrote env.json"; }  # the text form is in the report
+smi() {
+  if command -v nvidia-smi >/dev/null; then nvidia-smi && nvidia-smi topo -m
+  else echo "no nvidia-smi here (dry run)"; fi
+}
+cuda_tests() {  # only the test files that carry the marks; none yet is not a failure
+  local files marks='cuda and not multicuda'; [ "$GPUS" -lt 2 ] || marks='cuda or multicuda'
+  files=$(grep -lE 'mark\.(multi)?cuda\b' tests/test_*.py)
+  if [ -z "$files" ]; then echo "no test carries the cuda or multicuda mark"; return 0; fi
+  "$PY" -m pytest -q -p no:cacheprovider -m "$marks" --junitxml="$RES/cuda_tests.xml" $files
+}
+export -f install requirements env_json smi cuda_tests
+export RES PY WHEELS GPUS=$n
+
+# ---------------------------------------------------------------- the steps, most valuable first
+export DTNB_GPU_CHECK=1  # tests/test_gpu_check.py skips itself under this script
+export PYTHONUNBUFFERED=1
+if [ $DRY = 1 ]; then  # PYTHON's own environment: the offline install is tools/check_wheelhouse.sh's to prove
+  step install "$PY" -c 'import sys, dtnb, nbdev, execnb, fastcore
+print("dry run: no offline install; dtnb", dtnb.__version__, "from", dtnb.__file__, "in", sys.prefix)'
+  export PATH="$(dirname "$(command -v "$PY")"):$PATH"
+else
+  step install bash -c install
+  # the venv that install made, for the steps after it (the step ran it in a process of its own)
+  venv=${GPU_CHECK_VENV:-${TMPDIR:-/tmp}/dtnb-gpu-venv}
+  if ! "$PY" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)' && [ "$venv" != none ] \
+     && [ -x "$venv/bin/python" ]; then PY=$venv/bin/python; export PATH="$venv/bin:$PATH"
+  else export PATH="$(dirname "$(command -v "$PY")"):$PATH"; fi
+fi
+step env bash -c env_json
+step nvidia_smi bash -c smi
+if [ $DRY = 1 ]; then
+  step gpu_bench "$PY" benchmarks/gpu_bench.py --device cpu --quick --out "$RES/benchmarks"
+else
+  step gpu_bench env DTNB_BENCH_STRICT=1 "$PY" benchmarks/gpu_bench.py --quick --out "$RES/benchmarks"
+fi
+if [ $DRY = 1 ]; then  # the CLI and the report's files; its loader and bench sections take a minute more on a CPU
+  step report dtnb report --quick --sections env plan training --out "$RES/report"
+else
+  step report dtnb report --quick --out "$RES/report"
+fi
+step cuda_cells "$PY" tools/cuda_cells.py $( [ "$n" -ge 2 ] && echo --multi ) $( [ $DRY = 1 ] && echo --dry-run ) \
+  --out "$RES/cuda_cells.json"
+step cuda_tests bash -c cuda_tests
+step train "$PY" tools/gpu_train_check.py --out "$RES/train.json" $( [ $DRY = 1 ] && echo --device cpu )
+
+files=$(find "$OUT_DIR" -type f | wc -l)
+say "gpu_check: $( [ $STATUS -eq 0 ] && echo 'all passed' || echo 'FAILURES (see summary.json)' ) in" \
+    "$((SECONDS - START)) s of ${BUDGET}; $files file(s) in $OUT_DIR: $(cd "$OUT_DIR" && ls | paste -sd' ')"
+pack
+exit $STATUS

@@ -5,7 +5,7 @@
 #    that device query only), which proves they never reach for a GPU;
 # 2. the others, as they are. Two runs, because nbdev-test's workers run notebook after notebook in one process and
 #    a pin set by one notebook would stay for the next.
-# NBDEV_TEST names the command (default: nbdev-test on PATH). Used by run.sh test and tools/gpu_check.sh.
+# NBDEV_TEST names the command (default: nbdev-test on PATH). Used by run.sh test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NBDEV_TEST=${NBDEV_TEST:-nbdev-test}

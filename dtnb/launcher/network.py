@@ -1,4 +1,4 @@
-"""Which interface reaches the other nodes, what gloo would advertise to them, and the variables that fix it.
+"""Which interface reaches the other nodes, what gloo would advertise to them, and a lost node that ends the job.
 
 Docs: https://dtnb-dev.github.io/dtnb/launcher.network.html.md"""
 
@@ -130,7 +130,7 @@ def check_advertised(master_addr:str, nnodes:int, env:dict|None=None):
 
 # %% ../../nbs/02_launcher.network.ipynb #1c13014f
 def prepare_network(master_addr:str|None, nnodes:int, local_rank:int=0, env:dict|None=None, quiet:bool=False) -> dict:
-    "Set `GLOO_SOCKET_IFNAME`/`NCCL_SOCKET_IFNAME` in `env` for a multi-node job (saying which), then `check_advertised`"
+    "Check (`check_advertised`), then set `GLOO_SOCKET_IFNAME`/`NCCL_SOCKET_IFNAME` in `env` for a multi-node job"
     env = os.environ if env is None else env
     if nnodes <= 1 or not master_addr: return {}
     sets = socket_ifname_env(master_addr, nnodes, env)
@@ -211,14 +211,15 @@ def _bounded(fn, seconds:float, default=None):
 
 # %% ../../nbs/02_launcher.network.ipynb #4e4c0bb2
 class PeerWatch:
-    "This rank's heartbeat in the job's c10d store, and the other ranks' read back: a rank unheard for `timeout` s is lost"
+    "This rank's heartbeat in the job's c10d store, and the other ranks' read back: one unheard for `timeout` s is lost"
     def __init__(self, store_addr:str, store_port:int, rank:int, world_size:int, timeout:float,
                  prefix:str='dtnb/peers', address:str|None=None, on_lost=None):
         self.store_addr, self.store_port, self.rank, self.world = store_addr, store_port, rank, world_size
         self.timeout, self.prefix, self.on_lost = timeout, prefix.rstrip('/') + '/', on_lost or _exit_lost
         self.period = max(0.2, min(5.0, timeout / 6))
         self.me = dict(rank=rank, host=socket.gethostname(), addr=address or advertised_address())
-        self.peers, self.heard, self.n, self.verdict, self.store, self._ok = {}, {}, 0, None, None, None
+        self.peers, self.heard, self.n, self.verdict, self.store, self._ok, self.error = {}, {}, 0, None, None, None, ''
+
         self._stop, self._lock, self._threads = threading.Event(), threading.Lock(), []
 
     def start(self):
@@ -260,33 +261,36 @@ def _read_peers(w:PeerWatch):
     if silent:
         rec = w.peers[silent[0]]
         return PeerLostError(f"lost {_who(rec)}: not heard from for {now - w.heard[silent[0]]:.0f} s (limit "
-                             f"DTNB_PEER_TIMEOUT={w.timeout:g} s); it was last {rec['doing']}", rec['rank'], rec['host'])
+                             f"DTNB_PEER_TIMEOUT={w.timeout:g} s); it was last {rec['doing']}",
+                             rec['rank'], rec['host'])
 
 def _store_lost(w:PeerWatch) -> PeerLostError:
     "The error for a rank that has not reached the job's store for `w.timeout` seconds"
     holder = next((p for p in w.peers.values() if p['addr'] == w.store_addr), None)
     who = _who(holder) if holder else f"host {w.store_addr}"
     return PeerLostError(f"lost {who}, which holds the job's store ({w.store_addr}:{w.store_port}): unreachable for "
-                         f"{time.monotonic() - w._ok:.0f} s (limit DTNB_PEER_TIMEOUT={w.timeout:g} s)",
+                         f"{time.monotonic() - w._ok:.0f} s (limit DTNB_PEER_TIMEOUT={w.timeout:g} s"
+                         + (f"; last error: {w.error})" if w.error else ")"),
                          holder and holder['rank'], holder['host'] if holder else w.store_addr)
 
 # %% ../../nbs/02_launcher.network.ipynb #e3b293c2
 def _beat_loop(w:PeerWatch):
     "Connect to the store (until it answers), then one round each `w.period` until stopped or a peer is lost"
-    while w.store is None and not w._stop.is_set():
-        try: w.store = _store_client(w.store_addr, w.store_port, max(1.0, min(w.period * 2, w.timeout / 2)))
-        except Exception: w._stop.wait(w.period)
     while not w._stop.is_set():
+        if w.store is None:
+            try: w.store = _store_client(w.store_addr, w.store_port, max(2.0, w.timeout / 2))
+            except Exception: w._stop.wait(w.period); continue
+            w._ok = w._ok or time.monotonic()
         try: err = _read_peers(w)
-        except Exception: err = None  # the guard thread judges how long the store has been unreachable
+        except Exception as e:  # a failed or timed-out call leaves the connection out of step: connect again
+            err, w.store, w.error = None, None, str(e).strip().splitlines()[0][:200]  # the guard judges the time
         if err is not None: return _declare(w, err)
         w._stop.wait(w.period)
 
 def _guard_loop(w:PeerWatch):
     "Declare the store's host lost when no round has succeeded for `w.timeout` s (a round may block for ever)"
     while not w._stop.wait(w.period):
-        if w.store is None: continue  # not connected yet: the rendezvous' own timeout applies
-        if w._ok is None: w._ok = time.monotonic()
+        if w._ok is None: continue  # never connected yet: the rendezvous' own timeout applies
         if time.monotonic() - w._ok > w.timeout: return _declare(w, _store_lost(w))
 
 def _declare(w:PeerWatch, err:PeerLostError):
@@ -296,7 +300,7 @@ def _declare(w:PeerWatch, err:PeerLostError):
         w.verdict = err
     if '(seen by rank' not in str(err):
         v = json.dumps(dict(msg=str(err), by=w.rank, rank=err.rank, host=err.host))
-        _bounded(lambda: w.store.set(w.prefix + 'lost', v), 1)
+        if w.store is not None: _bounded(lambda: w.store.set(w.prefix + 'lost', v), 1)
     w._stop.set()
     w.on_lost(err)
 
