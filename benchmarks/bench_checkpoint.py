@@ -19,10 +19,10 @@ def _model(d, depth):
 
 
 def _bench(root, d, depth, repeats):
-    from dtnb.launcher.processes import rank, barrier
-    from dtnb.parallel.ddp import wrap
+    from dtnb.core.dist import rank, barrier
+    from dtnb.parallel.wrap import wrap
     import torch.distributed.checkpoint as dcp
-    from dtnb.train.checkpoint import save_checkpoint, checkpoint_path, _crc, state_dicts
+    from dtnb.train.checkpoint import save_checkpoint, checkpoint_path, file_crc, state_dicts
     from dtnb.train.checkpoint_load import load_checkpoint
     from dtnb.train.export import export_model
     model = wrap(_model(d, depth), 'ddp')
@@ -50,7 +50,7 @@ def _bench(root, d, depth, repeats):
     r['dcp'] = timed(lambda i: dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(root / f'dcp_{i}'))))
     files = [p for p in (root / 'dtnb').glob('step_*/*') if p.is_file()]
     r['bytes'] = sum(p.stat().st_size for p in files)
-    t = time.perf_counter(); [_crc(p) for p in files]; r['crc_all'] = time.perf_counter() - t  # one rank hashing everything
+    t = time.perf_counter(); [file_crc(p) for p in files]; r['crc_all'] = time.perf_counter() - t  # one rank hashing everything
     blocked, committed = [], []
     for i in range(repeats):
         barrier(); t = time.perf_counter()

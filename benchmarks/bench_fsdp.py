@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 import torch.distributed.fsdp  # once in the parent: forked ranks inherit it
 from dtnb.launcher.processes import launch
-from dtnb.parallel.ddp import wrap, distributed_loader
+from dtnb.parallel.ddp import distributed_loader
+from dtnb.parallel.wrap import wrap
 from dtnb.parallel.fsdp import state_bytes
 from dtnb.core.models import ToyModel, toy_data
 

@@ -64,7 +64,8 @@ def hand_ddp(steps, batch):
 
 
 def dtnb_ddp(steps, batch):
-    from dtnb.parallel.ddp import wrap, distributed_loader
+    from dtnb.parallel.ddp import distributed_loader
+    from dtnb.parallel.wrap import wrap
     from dtnb.train.loop import fit
     from dtnb.core.models import ToyModel, toy_data
     torch.manual_seed(0)

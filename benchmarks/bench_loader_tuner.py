@@ -12,7 +12,8 @@ measured before and after each set and printed with it.
 import argparse, json, statistics
 import torch
 from dtnb.data.loaders import SyntheticDataset, cores_free
-from dtnb.data.tune import tune_loader, loader_trial
+from dtnb.data.tune import tune_loader
+from dtnb.data.trials import loader_trial
 from dtnb.detection.device import detect
 
 

@@ -57,7 +57,7 @@ def formula_table():
     for L, h, a, s, b in ((2, 256, 8, 128, 2), (4, 512, 8, 256, 1), (2, 1024, 16, 512, 1)):
         sh, m = TransformerShape(L, h, a, s, b), GPT(L, h, a)
         tr = trace_activations(m, torch.randn(s, b, h), precision='zero-mixed')
-        f, fc = sh.activation_bytes(2), sh.activation_bytes(2, checkpoint=True)
+        f, fc = sh.activation_bytes(2), sh.activation_bytes(2, activation_checkpointing=True)
         rows.append((f"L={L} h={h} a={a} s={s} b={b}", f"{f:,}", f"{tr.saved:,}", f"{tr.saved - f:,}", f"{L * 4 * s * b * 2:,}",
                      f"{fc:,}", f"{tr.checkpointed:,}"))
     print(text_table(('shape', 'formula', 'trace', 'trace - formula', 'LayerNorm stats 8sbL', 'formula ckpt', 'trace ckpt'), rows), '\n')

@@ -12,24 +12,26 @@ import torch.nn.functional as F
 import torch.distributed as dist
 import torch.distributed.fsdp  # once in the parent: forked ranks inherit it
 from dtnb.launcher.processes import launch
-from dtnb.parallel.ddp import wrap, make_optimizer
+from dtnb.parallel.ddp import make_optimizer
+from dtnb.parallel.wrap import wrap
 from dtnb.core.models import ToyModel, toy_data
 
 SIZE = dict(d=256, hidden=1024, depth=8)   # 4.3 M parameters, 16 MiB in fp32
 SETUPS = {  # name: (strategy, wrap options)
     'ddp': ('ddp', {}), 'zero1': ('zero1', {}), 'zero2': ('zero2', {}), 'zero3': ('zero3', {}),
-    'ddp + checkpointing': ('ddp', dict(checkpoint=True)), 'zero3 + checkpointing': ('zero3', dict(checkpoint=True)),
+    'ddp + activation checkpointing': ('ddp', dict(activation_checkpointing=True)),
+    'zero3 + activation checkpointing': ('zero3', dict(activation_checkpointing=True)),
     'zero3 + offload': ('zero3', dict(offload=True)),
 }
 
 
-def by_hand(model, strategy, checkpoint=False, offload=False):
+def by_hand(model, strategy, activation_checkpointing=False, offload=False):
     "The same strategy with torch's calls written out: model and optimizer"
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.distributed.fsdp import fully_shard, CPUOffloadPolicy, OffloadPolicy
     from torch.distributed._composable import checkpoint as ckpt
-    if checkpoint:
+    if activation_checkpointing:
         for block in model.layers: ckpt(block)
     if strategy in ('ddp', 'zero1'):
         model = DDP(model, gradient_as_bucket_view=strategy == 'zero1')

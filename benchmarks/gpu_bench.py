@@ -282,8 +282,8 @@ def by_hand(model, strategy, device):
 
 def step_rank(g, amp, steps, warmup, rounds):
     "In one rank: steps/s and losses of DDP and FSDP2, through dtnb.wrap and by hand, interleaved over rounds"
-    from dtnb.launcher.processes import current_device
-    from dtnb.parallel.ddp import wrap
+    from dtnb.core.dist import current_device
+    from dtnb.parallel.wrap import wrap
     from dtnb.core.models import GPT
     device, out = current_device(), {}
     for _ in range(rounds):

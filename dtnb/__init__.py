@@ -3,13 +3,13 @@ __version__ = "0.1.0"
 # The public API, imported on first use so that `import dtnb` stays cheap (heavy torch.distributed submodules load
 # only when the feature that needs them runs). Hand-written: nbdev only updates `__version__`.
 # Each name is looked up in nbdev's index of the exported modules (`_modidx`), so a definition can move between
-# notebooks without touching this file. No submodule shares a name with a public function (tests/test_api.py).
+# notebooks without touching this file. No stage package shares a name with a public function (tests/test_api.py).
 _API = '''
     detect DeviceReport parse_launch_env LaunchEnv
     ToyModel TinyTransformer toy_data toy_sequences find_blocks
     launch LaunchError init_distributed shutdown rank world_size local_rank is_main barrier rank0_first current_device
     placement
-    wrap make_optimizer apply_checkpointing batchnorm_layers distributed_loader
+    wrap make_optimizer apply_activation_checkpointing batchnorm_layers distributed_loader
     full_state_dict check_optimizer size_groups
     apply_pipeline Pipeline causal_lm_loss split_model PipelineSplit PipelineTimeline PipelineTimelines
     simulate_schedule

@@ -51,7 +51,7 @@ def _launch(args):
 
 # %% ../nbs/10_cli.ipynb #bff61306
 def _report(args):
-    from dtnb import report
+    from dtnb.reporting.sections import report
     rep = report(out=args.out, quick=args.quick, model=args.model, input_shape=args.input_shape, batch=args.batch,
                  dataset=args.dataset, sections=args.sections)
     print(rep)
@@ -60,7 +60,8 @@ def _report(args):
 
 # %% ../nbs/10_cli.ipynb #20ef5ca0
 def _plan(args):
-    from dtnb.plan.memory import recommend, estimate_memory, TransformerShape
+    from dtnb.plan.memory import estimate_memory, TransformerShape
+    from dtnb.plan.recommend import recommend
     dims = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len)
     if args.predict and args.params and not args.layers: return _predict(args, args.params)
     if any(dims.values()) and not all(dims.values()):
@@ -72,9 +73,9 @@ def _plan(args):
                          "(--layers --hidden --heads --seq-len)")
     if args.predict: return _predict(args, shape)
     if args.strategy:
-        r = estimate_memory(model, args.strategy, args.world_size or 1, args.optimizer, args.precision or 'fp32',
+        r = estimate_memory(model, args.strategy, args.world_size or 1, args.optimizer, args.precision,
                             shape=shape,
-                            checkpoint=args.checkpoint, offload=args.offload)
+                            activation_checkpointing=args.activation_checkpointing, offload=args.offload)
     else:
         r = recommend(model, shape=shape, world_size=args.world_size, optimizer=args.optimizer,
                       precision=args.precision,
@@ -97,7 +98,8 @@ def _predict(args, model):
     if not hasattr(model, 'seq_len'):
         if not args.seq_len: raise ValueError("--predict with --params needs --seq-len (tokens per sample)")
         batch = args.batch * args.seq_len
-    force = args.strategy and args.strategy + ' + checkpointing' * args.checkpoint + ' + offload' * args.offload
+    force = args.strategy and (args.strategy + ' + activation checkpointing' * args.activation_checkpointing
+                               + ' + offload' * args.offload)
     r = predict(model, batch, samples=args.samples, tokens=args.tokens, targets=args.gpus.split(','),
                 prices=args.prices, efficiency=args.efficiency, optimizer=args.optimizer, strategy=force or None)
     if args.plot:
@@ -123,12 +125,13 @@ def _add_plan(sub):
     p.add_argument('--world-size', type=int, help="devices (default: this machine's accelerators, else 1)")
     p.add_argument('--optimizer', default='adamw', choices=['sgd', 'momentum', 'adam', 'adamw'])
     p.add_argument('--precision', choices=['fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true', 'zero-mixed'],
-                   help="default: bf16-mixed (autocast) where the device computes bf16 fast, else fp32")
+                   help="default: fp32 (DEFAULT_PRECISION, as in fit and the planner)")
     p.add_argument('--memory', type=_size, help="per device: 80GB, 80GiB or bytes (8e10); default: detected")
     p.add_argument('--margin', type=float, default=0.1, help="fraction of device memory kept free")
     p.add_argument('--strategy', help="print the one estimate of this strategy instead of the plan: "
                                       "single, ddp, zero1, zero2, zero3, fsdp (with --predict: use it on every GPU)")
-    p.add_argument('--checkpoint', action='store_true', help="with --strategy: activation checkpointing")
+    p.add_argument('--activation-checkpointing', action='store_true',
+                   help="with --strategy: recompute each block's activations in the backward")
     p.add_argument('--offload', action='store_true', help="with --strategy: CPU offload")
     p.add_argument('--json', action='store_true', help="print as JSON")
     q = p.add_argument_group('prediction', "--predict: step time, wall time and cost on each GPU of --gpus")

@@ -12,8 +12,10 @@ checksum and a hash of the final parameters' bytes (equal hashes: bitwise equal 
 """
 import argparse, hashlib, json
 import torch
-from dtnb.launcher.processes import init_distributed, shutdown, is_main, world_size
-from dtnb.parallel.ddp import wrap, distributed_loader
+from dtnb.launcher.processes import init_distributed, shutdown
+from dtnb.core.dist import is_main, world_size
+from dtnb.parallel.ddp import distributed_loader
+from dtnb.parallel.wrap import wrap
 from dtnb.core.models import ToyModel, toy_data
 from dtnb.train.loop import fit
 

@@ -44,7 +44,8 @@ def run_cli():
     def run(*args, timeout=120, env=None, check=True):
         e = {**os.environ, **(env or {})}
         r = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)
-        if check and r.returncode: raise AssertionError(f"dtnb {' '.join(args)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
+        if check and r.returncode:
+            raise AssertionError(f"dtnb {' '.join(args)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
         return r
     return run
 

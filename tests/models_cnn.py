@@ -32,4 +32,5 @@ def tiny_cnn(classes:int=10, seed:int=0) -> nn.Module:
 def tiny_images(n:int=64, classes:int=10, seed:int=0):
     "A TensorDataset of `n` random 3x8x8 images and labels"
     g = torch.Generator().manual_seed(seed)
-    return torch.utils.data.TensorDataset(torch.randn(n, 3, 8, 8, generator=g), torch.randint(classes, (n,), generator=g))
+    return torch.utils.data.TensorDataset(torch.randn(n, 3, 8, 8, generator=g), torch.randint(classes, (n,),
+                                                                                              generator=g))

@@ -3,7 +3,8 @@ The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`,
 import json, math, statistics, functools, time, itertools
 import pytest, torch
 import torch.utils.benchmark as tbench
-from dtnb.bench.compute import bench_matmul, time_fn, BenchResult, matmul_flops, cache_bytes, _matmul_case, _pool, _threads
+from dtnb.bench.compute import (bench_matmul, time_fn, BenchResult, matmul_flops, cache_bytes, _matmul_case, _pool,
+                                _threads)
 from dtnb.bench.collectives import (bench_collectives, busbw_factor, busbw, algbw, collective_counts, collective_sizes,
                               expected_output, COLLECTIVES)
 from dtnb.bench.throughput import bench_scaling, bench_all, predict_sync_seconds
@@ -48,14 +49,16 @@ def test_bench_matmul_reports_the_median_call():
     for row in r.rows:
         times = r.series['seconds'][f"fp32 {row['shape']}"]
         assert len(times) == 7 and min(times) > 0
-        assert row['value'] == pytest.approx(matmul_flops(row['m'], row['n'], row['k']) / statistics.median(times) / 1e9)
+        assert row['value'] == pytest.approx(matmul_flops(row['m'], row['n'],
+                                                          row['k']) / statistics.median(times) / 1e9)
         assert row['best'] == pytest.approx(matmul_flops(row['m'], row['n'], row['k']) / min(times) / 1e9)
     assert r.summary['fp32 max achievable GFLOPS'] == max(x['value'] for x in r.rows)
 
 
 @pytest.mark.parametrize('n', [2, 3, 4, 8, 16, 64])
 def test_bus_bandwidth_is_nccl_tests_definition(n):
-    "busbw = algbw * 2(n-1)/n (all-reduce), * (n-1)/n (all-gather, reduce-scatter, all-to-all), * 1 (broadcast); GB = 1e9 B"
+    "busbw = algbw * 2(n-1)/n (all-reduce), * (n-1)/n (all-gather, reduce-scatter, all-to-all), * 1 (broadcast); "
+    "GB = 1e9 B"
     S, t = 3 * 2**27, 0.0123
     assert algbw(S, t) == pytest.approx(S / t / 1e9)
     assert busbw('all_reduce', S, t, n) == pytest.approx(S / t / 1e9 * 2 * (n - 1) / n)
@@ -89,7 +92,8 @@ def test_collectives_match_a_single_process_reference():
         ins = [res[r][op][0] for r in range(n)]
         for r in range(n):
             want = {'all_reduce': lambda: sum(ins), 'broadcast': lambda: ins[0], 'all_gather': lambda: torch.cat(ins),
-                    'reduce_scatter': lambda: sum(ins).chunk(n)[r], 'all_to_all': lambda: torch.cat([x.chunk(n)[r] for x in ins])}[op]()
+                    'reduce_scatter': lambda: sum(ins).chunk(n)[r],
+                    'all_to_all': lambda: torch.cat([x.chunk(n)[r] for x in ins])}[op]()
             torch.testing.assert_close(res[r][op][1], want, msg=f"{op} on rank {r}")
 
 
@@ -106,7 +110,7 @@ def test_bench_collectives_on_two_ranks():
 
 def _corrupt(*args):
     from dtnb.bench import collectives
-    from dtnb.launcher.processes import rank
+    from dtnb.core.dist import rank
     if rank() == 1: collectives._pattern = lambda r, pos: 2 + r + pos % 7   # rank 1 sends data off by one
     return collectives.collective_rank(*args)
 
@@ -114,14 +118,16 @@ def test_wrong_data_is_counted():
     res = launch(_corrupt, ['all_reduce', 'broadcast'], [64], 'fp32', 2, 1, nprocs=2, timeout=120)
     wrong = {(rank, row['op']): row['wrong'] for rank, rows in enumerate(res) for row in rows}
     assert wrong[(0, 'all_reduce')] == wrong[(1, 'all_reduce')] == 16   # every element of the sum is off
-    assert wrong[(0, 'broadcast')] == 0 and wrong[(1, 'broadcast')] == 16  # rank 1 expected its own (wrong) pattern from rank 0
+    # rank 1 expected its own (wrong) pattern from rank 0
+    assert wrong[(0, 'broadcast')] == 0 and wrong[(1, 'broadcast')] == 16
 
 
 def test_bad_arguments_fail_fast():
     with pytest.raises(ValueError, match="at least 2 ranks"): bench_collectives(nprocs=1)
     with pytest.raises(ValueError, match="Unknown collective 'allreduce'"): bench_collectives(['allreduce'])
     with pytest.raises(ValueError, match="Collective dtype"): bench_collectives(dtype='int8')
-    with pytest.raises(ValueError, match="use sizes >= 16 bytes"): bench_collectives(['all_gather'], sizes=[4, 8], nprocs=4)
+    with pytest.raises(ValueError, match="use sizes >= 16 bytes"): bench_collectives(['all_gather'], sizes=[4, 8],
+                                                                                     nprocs=4)
 
 
 def test_scaling_with_ddp_on_local_ranks():
@@ -134,13 +140,14 @@ def test_scaling_with_ddp_on_local_ranks():
     assert two['samples_s'] == pytest.approx(32 / (two['step_ms'] / 1e3))
     assert two['efficiency'] == pytest.approx(100 * two['samples_s'] / (2 * one['samples_s']))
     assert two['overhead_ms'] is not None
-    cpu = default_device().type == 'cpu'   # CPU ranks share the usable cores equally (1 each on 2 cores); GPU ranks: None
+    cpu = default_device().type == 'cpu'   # CPU ranks share the usable cores (1 each on 2 cores); GPU ranks: None
     assert r.config['threads_per_rank'] == (max(1, usable_cores() // 2) if cpu else None)
 
 
 def test_bench_all_saves_json_and_png(tmp_path):
     lines = []
     res = bench_all(quick=True, out=tmp_path, only=['matmul', 'collectives'], progress=False, print_fn=lines.append)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['collectives.json', 'collectives.png', 'matmul.json', 'matmul.png']
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['collectives.json', 'collectives.png', 'matmul.json',
+                                                          'matmul.png']
     assert BenchResult.load(tmp_path / 'matmul.json') == res[0]
     assert lines[0].startswith(f'dtnb bench matmul on {default_device()}') and 'busbw (GB/s)' in lines[1]

@@ -19,20 +19,23 @@ SCRIPT = 'tests/scripts/train_ckpt.py'
 
 
 def _run(args, timeout=240):
-    r = subprocess.run([DTNB, 'launch', '-n', '2', *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run([DTNB, 'launch', '-n', '2', *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads([l for l in r.stdout.splitlines() if l.startswith('{')][-1]), r.stdout + r.stderr
 
 
 def test_sigkill_restart_resumes_bitwise(tmp_path):
-    "One rank SIGKILLs itself at step 7 of 12; torchrun restarts the group; fit resumes at 6; the end equals a clean run"
+    "One rank SIGKILLs itself at step 7 of 12; torchrun restarts the group; fit resumes at 6, ends as a clean run"
     from dtnb.launcher.processes import launch
     from dtnb.train.checkpoint import list_checkpoints
     from dtnb.train.export import load_exported
     sys.path.insert(0, str(ROOT / 'tests' / 'scripts'))
     from train_ckpt import train
-    ref = launch(train, 12, 3, str(tmp_path / 'ref'), str(tmp_path / 'ref.pt'), nprocs=2)[0]  # the same script, never killed
-    got, log = _run(['--max-restarts=1', SCRIPT, '--dir', str(tmp_path / 'ck'), '--out', str(tmp_path / 'got.pt'), '--kill-at', '7'])
+    ref = launch(train, 12, 3, str(tmp_path / 'ref'), str(tmp_path / 'ref.pt'),
+                 nprocs=2)[0]  # the same script, never killed
+    got, log = _run(['--max-restarts=1', SCRIPT, '--dir', str(tmp_path / 'ck'), '--out', str(tmp_path / 'got.pt'),
+                     '--kill-at', '7'])
     assert 'rank 1: SIGKILL at step 7' in log
     assert (ref['attempt'], ref['start_step']) == (0, 0)
     assert (got['attempt'], got['start_step'], got['steps']) == (1, 6, 12)
@@ -44,24 +47,27 @@ def test_sigkill_restart_resumes_bitwise(tmp_path):
 
 
 def _pipeline_run(schedule, steps, ckdir, out):
-    "Train ToyModel as a 2-rank pipeline with fit (resuming from `ckdir`), export it; returns losses, start, per-rank state"
-    from dtnb.parallel.ddp import wrap, distributed_loader
+    "Train ToyModel as a 2-rank pipeline with fit (resuming from `ckdir`), export it; return losses, start, rank state"
+    from dtnb.parallel.ddp import distributed_loader
+    from dtnb.parallel.wrap import wrap
     from dtnb.core.models import ToyModel, toy_data
     from dtnb.train.loop import fit
     from dtnb.train.export import export_model
     torch.manual_seed(0)
     pipe = wrap(ToyModel(), 'pipeline', loss_fn=nn.functional.mse_loss, n_microbatches=4, schedule=schedule)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-    loader = distributed_loader(toy_data(96), batch_size=16, shuffle=True, num_replicas=1, rank=0)  # every stage reads the batch
+    loader = distributed_loader(toy_data(96), batch_size=16, shuffle=True, num_replicas=1,
+                                rank=0)  # every stage reads the batch
     r = fit(pipe, loader, opt, epochs=2, max_steps=steps, progress=False, checkpoint_dir=ckdir)
     export_model(out, pipe)
-    state = {f"{n}.{k}": v.clone() for m in pipe.modules for n, p in m.named_parameters() for k, v in opt.state[p].items()}
+    state = {f"{n}.{k}": v.clone() for m in pipe.modules for n, p in m.named_parameters() for k,
+             v in opt.state[p].items()}
     return r.losses, r.start_step, len(pipe.modules), state
 
 
 def _pipeline_load(schedule, ckdir, out):
     "Load a pipeline checkpoint into another split of the model, then export it"
-    from dtnb.parallel.ddp import wrap
+    from dtnb.parallel.wrap import wrap
     from dtnb.core.models import ToyModel
     from dtnb.train.checkpoint_load import load_checkpoint
     from dtnb.train.export import export_model
@@ -71,7 +77,8 @@ def _pipeline_load(schedule, ckdir, out):
 
 
 def test_pipeline_resumes_bitwise_and_loads_in_any_split(tmp_path):
-    "Interleaved pipeline (two stages per rank): stop at 5, resume to 10 = 10 straight; the checkpoint loads on one process and in another split"
+    """Interleaved pipeline (two stages per rank): stop at 5, resume to 10 = 10 straight; the checkpoint loads on one
+    process and in another split"""
     from dtnb.launcher.processes import launch
     from dtnb.core.models import ToyModel
     from dtnb.train.checkpoint_load import load_checkpoint
@@ -103,7 +110,8 @@ def test_resume_with_loader_workers_and_own_generator():
     from torch.utils.data import DataLoader, TensorDataset
     from dtnb.train.resume_state import resumable, rng_state, set_rng_state
     ds = TensorDataset(torch.arange(40))
-    def make(): return resumable(DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(1)))
+    def make(): return resumable(DataLoader(ds, batch_size=4, shuffle=True, num_workers=2,
+                                            generator=torch.Generator().manual_seed(1)))
     a = make()
     it = iter(a)
     head = [next(it)[0].tolist() for _ in range(4)]
@@ -120,7 +128,8 @@ def _bn_run(steps, ckdir):
     "Train the BatchNorm CNN under DDP twice, buffers broadcast from rank 0 (default) and kept per rank; every state"
     sys.path.insert(0, str(ROOT / 'tests'))
     from models_cnn import tiny_cnn, tiny_images
-    from dtnb.parallel.ddp import wrap, distributed_loader
+    from dtnb.parallel.ddp import distributed_loader
+    from dtnb.parallel.wrap import wrap
     from dtnb.train.loop import fit
     out = {}
     for bb in (True, False):
@@ -143,7 +152,8 @@ def test_batchnorm_ddp_resumes_bitwise_buffers_included(tmp_path):
     for r in range(2):
         for bb in (True, False):
             a, b = straight[r][bb], resumed[r][bb]
-            assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), (r, bb, [k for k in a if not torch.equal(a[k], b[k])])
+            assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), (r, bb,
+                [k for k in a if not torch.equal(a[k], b[k])])
     # without broadcasting the ranks' statistics differ: resume gave each rank its own back from its rank file
     s = straight
     assert not torch.equal(s[0][False]['1.running_mean'], s[1][False]['1.running_mean'])

@@ -6,7 +6,8 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 from dtnb.data.loaders import SyntheticDataset, SyntheticIterable, SampleError, cores_free, profile_loader
 from dtnb.data.steps import input_bound, RankStepProfiles, StepProfile
-from dtnb.data.tune import loader_trial, tune_loader, worker_limits, measure_sample_cost, loader_report
+from dtnb.data.tune import tune_loader, loader_report
+from dtnb.data.trials import loader_trial, worker_limits, measure_sample_cost
 from dtnb.launcher.processes import launch
 
 pytestmark = pytest.mark.usefixtures('cpu_ranks')
@@ -21,7 +22,8 @@ def one_thread():
 
 
 def children():
-    """Child processes left behind (multiprocessing's own resource tracker, which spawn starts once, is not ours); no gc first:
+    """Child processes left behind (multiprocessing's own resource tracker, which spawn starts once, is not ours);
+    no gc first:
     workers must be stopped explicitly, not when the garbage collector frees an iterator held by a traceback"""
     return [c for c in psutil.Process().children(recursive=True) if 'resource_tracker' not in ' '.join(c.cmdline())]
 
@@ -43,9 +45,11 @@ def test_tuner_beats_no_workers_on_cpu_bound_set():
     res = tune_loader(ds, 16, trial_s=0.5)
     zero, tuned = side_by_side(ds, 16, res.best.settings)
     free.append(cores_free())
-    print(f"cpu-bound set: tuned {res.best.settings} {tuned:.0f} vs num_workers=0 {zero:.0f} samples/s = {tuned / zero:.2f}×; cores free {free}")
+    print(f"cpu-bound set: tuned {res.best.settings} {tuned:.0f} vs num_workers=0 {zero:.0f} samples/s = "
+          f"{tuned / zero:.2f}×; cores free {free}")
     if min(free) < 1.7:  # other jobs hold the cores: two workers cannot run two samples at once, whatever the settings
-        pytest.skip(f"only {min(free):.2f} of 2 cores free (tuned {tuned:.0f} vs {zero:.0f} samples/s = {tuned / zero:.2f}×): "
+        pytest.skip(f"only {min(free):.2f} of 2 cores free (tuned {tuned:.0f} vs {zero:.0f} samples/s = "
+                    f"{tuned / zero:.2f}×): "
                     f"the 1.6× check needs two idle cores")
     assert tuned >= 1.6 * zero, (f"tuned {res.best.settings}: {tuned:.0f} samples/s vs {zero:.0f} with num_workers=0 "
                                  f"({tuned / zero:.2f}×; cores free {free})\n{res}")
@@ -57,7 +61,8 @@ def test_tuner_beats_no_workers_more_on_io_like_set():
     res = tune_loader(ds, 16, trial_s=0.5, max_workers=4 * cores)  # beyond the cores only when asked
     assert res.best.settings['num_workers'] > cores, res  # waiting samples use more workers than cores
     zero, tuned = side_by_side(ds, 16, res.best.settings, trial_s=0.6)
-    assert tuned >= 3 * zero, f"tuned {res.best.settings}: {tuned:.0f} vs {zero:.0f} samples/s ({tuned / zero:.2f}×)\n{res}"
+    assert tuned >= 3 * zero, (f"tuned {res.best.settings}: {tuned:.0f} vs {zero:.0f} samples/s "
+                               f"({tuned / zero:.2f}×)\n{res}")
 
 
 def test_in_memory_set_keeps_workers_at_zero():
@@ -66,7 +71,7 @@ def test_in_memory_set_keeps_workers_at_zero():
     assert any('workers cost more than they save' in a for a in res.advice), res.advice
 
 
-# --- the verdict --------------------------------------------------------------------------------------------------------
+# --- the verdict -------------------------------------------------------------------------------------------------
 
 def mlp_step(sizes):
     layers = [nn.Flatten()] + [m for a, b in zip(sizes, sizes[1:]) for m in (nn.Linear(a, b), nn.ReLU())][:-1]
@@ -83,11 +88,13 @@ def test_fast_step_on_slow_loader_is_input_bound(mode):
     loader = DataLoader(SyntheticDataset(512, cost_ms=2, mode=mode), batch_size=16)  # >= 32 ms per batch
     p = input_bound(mlp_step([3 * 32 * 32, 10]), loader, n_steps=12, warmup=3)  # a step of about a millisecond
     assert p.input_bound and p.fraction('data') > 0.5, p
-    assert p.verdict.startswith(f"input-bound: {p.fraction('data'):.0%} of step time waiting for data; a loader at least")
+    assert p.verdict.startswith(f"input-bound: {p.fraction('data'):.0%} of step time waiting for data; "
+                                "a loader at least")
     assert abs(p.speedup_needed - p.step_s / (p.mean('h2d') + p.mean('compute'))) < 1e-9
 
 
-@pytest.mark.parametrize('mode,cost_ms,workers', [('cpu', 0.01, 0), ('sleep', 2, 8)])  # sleeping samples: fast with many workers
+# sleeping samples: fast with many workers
+@pytest.mark.parametrize('mode,cost_ms,workers', [('cpu', 0.01, 0), ('sleep', 2, 8)])
 def test_slow_step_on_fast_loader_is_compute_bound(mode, cost_ms, workers):
     loader = DataLoader(SyntheticDataset(512, cost_ms=cost_ms, mode=mode), batch_size=16, num_workers=workers)
     p = input_bound(mlp_step([3 * 32 * 32, 2048, 2048, 10]), loader, n_steps=8, warmup=2)  # tens of ms per step
@@ -95,10 +102,12 @@ def test_slow_step_on_fast_loader_is_compute_bound(mode, cost_ms, workers):
 
 
 def test_profile_loader_map_style_and_iterable():
-    p = profile_loader(DataLoader(SyntheticDataset(256, cost_ms=1, mode='sleep'), batch_size=8, num_workers=2), n_batches=10)
+    p = profile_loader(DataLoader(SyntheticDataset(256, cost_ms=1, mode='sleep'), batch_size=8, num_workers=2),
+                       n_batches=10)
     assert (len(p.waits), p.samples, p.warmup) == (10, 80, 4)
     assert p.first_batch_s > 0 and p.wait_pct(50) <= p.wait_pct(99) and p.bytes == 80 * (3 * 32 * 32 * 4 + 8)
-    it = profile_loader(DataLoader(SyntheticIterable(64, cost_ms=0.5, mode='sleep'), batch_size=8, num_workers=2), n_batches=100)
+    it = profile_loader(DataLoader(SyntheticIterable(64, cost_ms=0.5, mode='sleep'), batch_size=8, num_workers=2),
+                        n_batches=100)
     assert it.samples == 64 - 8 * (1 + 4)  # everything but the first batch and the warm-up
     assert children() == []
 
@@ -134,9 +143,12 @@ def test_failing_sample_in_worker_is_named_and_workers_stop(run, persistent):
     ds = SyntheticDataset(256, cost_ms=0, fail_at=150)
     t = time.perf_counter()
     where = '' if run == 'tune' else r' \(in DataLoader worker \d\)'  # the tuner's first trial has no workers
-    with pytest.raises(SampleError, match=r'dataset\[150\] \(SyntheticDataset\) raised ValueError: sample 150 is corrupt' + where):
-        if run == 'profile': profile_loader(DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=persistent), n_batches=100)
-        elif run == 'input_bound': input_bound(lambda b: None, DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=persistent), n_steps=100)
+    with pytest.raises(SampleError,
+                       match=r'dataset\[150\] \(SyntheticDataset\) raised ValueError: sample 150 is corrupt' + where):
+        if run == 'profile': profile_loader(DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=persistent),
+                                            n_batches=100)
+        elif run == 'input_bound': input_bound(lambda b: None, DataLoader(ds, batch_size=4, num_workers=2,
+                                                                          persistent_workers=persistent), n_steps=100)
         elif run == 'trial': loader_trial(ds, 4, trial_s=10, num_workers=2, persistent_workers=persistent)
         else: tune_loader(ds, 4, trial_s=10)  # not among the samples the tuner looks at first: found by a trial
     assert time.perf_counter() - t < 20
@@ -147,13 +159,16 @@ def test_failing_sample_in_worker_is_named_and_workers_stop(run, persistent):
 def test_failing_step_stops_the_workers(persistent):
     def step(batch): raise RuntimeError('step exploded')
     with pytest.raises(RuntimeError, match='step exploded'):
-        input_bound(step, DataLoader(SyntheticDataset(64, cost_ms=0), batch_size=4, num_workers=2, persistent_workers=persistent))
+        input_bound(step, DataLoader(SyntheticDataset(64, cost_ms=0), batch_size=4, num_workers=2,
+                                     persistent_workers=persistent))
     assert children() == []
 
 
 def test_failing_sample_in_iterable_names_its_position():
-    with pytest.raises(SampleError, match=r'sample \d+ in worker 1 of SyntheticIterable raised ValueError: sample 37 is corrupt'):
-        profile_loader(DataLoader(SyntheticIterable(64, cost_ms=0, fail_at=37), batch_size=4, num_workers=2), n_batches=100)
+    with pytest.raises(SampleError,
+                       match=r'sample \d+ in worker 1 of SyntheticIterable raised ValueError: sample 37 is corrupt'):
+        profile_loader(DataLoader(SyntheticIterable(64, cost_ms=0, fail_at=37), batch_size=4, num_workers=2),
+                       n_batches=100)
     assert children() == []
 
 
@@ -188,15 +203,17 @@ def test_ddp_reports_every_rank_and_the_slowest(slow_rank, workers):
     assert r0.slowest.rank == slow_rank and r0.input_bound, r0
     slow, fast = r0.profiles[slow_rank], r0.profiles[1 - slow_rank]
     assert slow.input_bound and fast.mean('data') < 0.5 * slow.mean('data'), (r0, r0.profiles)
-    assert fast.mean('compute') > slow.mean('compute'), (r0, r0.profiles)  # the fast rank waits for the slow one in the all-reduce
+    # the fast rank waits for the slow one in the all-reduce
+    assert fast.mean('compute') > slow.mean('compute'), (r0, r0.profiles)
     assert r0.verdict.startswith(f'rank {slow_rank} is input-bound')
-    assert (ranks0, cores0) == (2, max(1, psutil.cpu_count() // 2)) == (ranks1, cores1)  # each rank's share of the cores
+    assert (ranks0, cores0) == (2, max(1, psutil.cpu_count() // 2)) == (ranks1, cores1)  # each rank's share of cores
     assert children() == []
 
 
 def test_rank_profiles_from_separate_runs():
     "The aggregation takes any list of per-rank profiles (e.g. gathered from separate runs)"
-    loaders = [DataLoader(SyntheticDataset(64, mode='memory'), batch_size=8), DataLoader(SyntheticDataset(64, cost_ms=2, mode='sleep'), batch_size=8)]
+    loaders = [DataLoader(SyntheticDataset(64, mode='memory'), batch_size=8), DataLoader(SyntheticDataset(64,
+        cost_ms=2, mode='sleep'), batch_size=8)]
     ps = [input_bound(mlp_step([3 * 32 * 32, 10]), dl, n_steps=4, warmup=1) for dl in loaders]
     agg = RankStepProfiles([StepProfile(p.steps, p.warmup, p.device, p.threshold, rank=r) for r, p in enumerate(ps)])
     assert agg.slowest.rank == 1 and 'rank 1 is input-bound' in agg.verdict
@@ -212,17 +229,18 @@ def test_loader_report_quick():
 
 def test_spawn_without_persistent_workers_is_advised():
     "Under spawn each worker imports torch: every epoch pays seconds of start-up, measured, and the advice says so"
-    loader = DataLoader(SyntheticDataset(256, cost_ms=1, mode='sleep'), batch_size=8, num_workers=1, multiprocessing_context='spawn')
+    loader = DataLoader(SyntheticDataset(256, cost_ms=1, mode='sleep'), batch_size=8, num_workers=1,
+                        multiprocessing_context='spawn')
     p = profile_loader(loader, n_batches=8)
     assert p.settings['start_method'] == 'spawn' and p.first_batch_s > 0.3, p
     assert any('1 spawn worker afresh' in a and 'persistent_workers=True' in a for a in p.advice), p.advice
     assert children() == []
 
 
-# --- tuned settings that compose: per-rank workers, kwargs for DataLoader and distributed_loader, the order kept -------
+# --- tuned settings that compose: per-rank workers, kwargs for DataLoader and distributed_loader, the order kept
 
 def _epoch_labels(options, global_batch_size):
-    "For each kwargs in `options`: the labels (sample indices) of this rank's share of an epoch, through distributed_loader"
+    "For each kwargs in `options`: the labels (sample indices) of this rank's share of an epoch (distributed_loader)"
     import torch.distributed as dist
     from dtnb.parallel.ddp import distributed_loader
     ds = SyntheticDataset(48, cost_ms=0, shape=(1,), n_classes=48)  # label = index

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 import torch.distributed.fsdp  # imported once here, so that forked ranks do not each pay for it
 from torch import nn
 from dtnb.launcher.processes import launch
-from dtnb.parallel.ddp import wrap, distributed_loader
+from dtnb.parallel.ddp import distributed_loader
+from dtnb.parallel.wrap import wrap
 from dtnb.parallel.fsdp import state_bytes, full_state_dict, check_optimizer, plan_fsdp
 from dtnb.core.models import ToyModel, Block, toy_data
 
@@ -15,7 +16,8 @@ pytestmark = pytest.mark.usefixtures('one_thread_per_module', 'cpu_ranks')
 
 
 def make_opt(model, opt):
-    return torch.optim.AdamW(model.parameters(), lr=1e-2) if opt == 'adamw' else torch.optim.SGD(model.parameters(), lr=0.05)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2) if opt == 'adamw' else torch.optim.SGD(model.parameters(),
+                                                                                                 lr=0.05)
 
 
 def reference(opt='adamw', steps=5, batch=16):
@@ -35,7 +37,7 @@ def ref(opt):
 
 
 def train(opt='adamw', steps=5, meta=False, **options):
-    "5 steps on this rank's share of each batch of 16; returns the full parameters, every rank's local bytes and the export"
+    "5 steps on this rank's share of each batch of 16; return the full parameters, every rank's local bytes, the export"
     if meta:
         with torch.device('meta'): model = ToyModel()
     torch.manual_seed(0)
@@ -110,7 +112,8 @@ def optimizer_first(check):
 @pytest.mark.parametrize('check', [False, True])
 def test_optimizer_built_before_sharding_is_refused(check):
     for msg in launch(optimizer_first, check, nprocs=2):
-        assert msg == ("the optimizer holds 28 parameter(s) that are not the model's (sharded) parameters: sharding replaced them, "
+        assert msg == ("the optimizer holds 28 parameter(s) that are not the model's (sharded) parameters: "
+                       "sharding replaced them, "
                        "so optimizer.step() would train nothing. Build the optimizer after wrap(model, 'fsdp'), "
                        "e.g. torch.optim.AdamW(model.parameters())")
 
@@ -145,12 +148,14 @@ def misuse(case):
 
 
 @pytest.mark.parametrize('case,msg', [
-    ('layer', "layer_cls='DecoderLayer' is not a module class in this model; candidate block classes found: Block (4 in layers); "
-              "other repeated classes: Linear (10)"),
-    ('mesh', r"mesh=(4, 1) needs 4 ranks (4 replicas × 1 shards) but the world has 2: choose replicate × shard = 2, e.g. (1, 2) or (2, 1)"),
+    ('layer', "layer_cls='DecoderLayer' is not a module class in this model; candidate block classes found: "
+              "Block (4 in layers); other repeated classes: Linear (10)"),
+    ('mesh', r"mesh=(4, 1) needs 4 ranks (4 replicas × 1 shards) but the world has 2: choose replicate × shard = 2, "
+             r"e.g. (1, 2) or (2, 1)"),
     ('dtype', "param_dtype='bf17' is not a number format"),
     ('twice', "this model is already sharded (FSDPToyModel): wrap the original model once"),
-    ('meta', "this meta-device model cannot be initialised: 1 (Module) hold parameters or buffers but have no reset_parameters(); pass init=fn"),
+    ('meta', "this meta-device model cannot be initialised: 1 (Module) hold parameters or buffers but have no "
+             "reset_parameters(); pass init=fn"),
 ])
 def test_errors_say_what_to_do(case, msg):
     for err in launch(misuse, case, nprocs=2): assert err is not None and msg in err, err
@@ -172,12 +177,14 @@ def fit_fsdp(accumulate, clip, **options):
     from dtnb.train.loop import fit
     torch.manual_seed(0)
     model = wrap(ToyModel(), 'fsdp', **options)
-    r = fit(model, distributed_loader(toy_data(256), global_batch_size=16 // accumulate, shuffle=False), make_opt(model, 'adamw'),
+    r = fit(model, distributed_loader(toy_data(256), global_batch_size=16 // accumulate, shuffle=False),
+            make_opt(model, 'adamw'),
             accumulate=accumulate, clip=clip, max_steps=5, progress=False)
     return r.losses, r.strategy, {k: p.full_tensor() for k, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize('accumulate,clip,options', [(1, None, {}), (2, 0.5, {}), (2, 0.5, dict(reshard_after_forward=False, mesh=(2, 1)))])
+@pytest.mark.parametrize('accumulate,clip,options', [(1, None, {}), (2, 0.5, {}), (2, 0.5,
+    dict(reshard_after_forward=False, mesh=(2, 1)))])
 def test_fit_runs_fsdp_unchanged(accumulate, clip, options):
     "dtnb.train.loop.fit on an FSDP model: the losses and parameters of the same fit in one process"
     from dtnb.train.loop import fit

@@ -30,12 +30,17 @@ NOTEBOOKS = sorted((ROOT / 'nbs').glob('*.ipynb')) + sorted((ROOT / 'nbs' / 'tut
 # (run.sh runs them as they are; the pinned ones under the one-GPU stand-in). A new notebook is pinned or listed here.
 UNPINNED = {
     '01_detection.env': "reads launch environments: no device", '00a_core.specs': "device spec tables: no device",
-    '00_core.utils': "defines the pin; shows this machine's own devices", '01a_detection.device': "detection: what this machine has",
-    '00c_core.models': "model definitions, run where they are built", '02_launcher.failures': "error reports: no device",
-    '02b_launcher.torchrun': "builds torchrun commands", '03c_parallel.pipeline_schedules': "pipeline schedules on paper",
+    '00_core.utils': "defines the pin; shows this machine's own devices",
+    '01a_detection.device': "detection: what this machine has",
+    '00c_core.models': "model definitions, run where they are built",
+    '02_launcher.failures': "error reports: no device",
+    '02b_launcher.torchrun': "builds torchrun commands",
+    '03c_parallel.pipeline_schedules': "pipeline schedules on paper",
     '04_plan.activations': "traces activations where the model is", '04a_plan.memory': "estimates from shapes",
+    '04b_plan.recommend': "plans from shapes and this machine's report",
     '06_data.loaders': "loaders in the host process", '07_bench.compute': "benchmarks of the device each call names",
-    '07c_bench.forecast': "predictions on paper", '08_reporting.document': "renders results", '10_cli': "the commands' arguments",
+    '07c_bench.forecast': "predictions on paper", '08_reporting.document': "renders results",
+    '10_cli': "the commands' arguments",
     '08a_reporting.sections': "the report's sections start CPU ranks themselves where accelerators are too few",
     'predict': "predictions on paper",
 }

@@ -50,7 +50,8 @@ def kernel_children(km):
 
 SETUP = '''
 import torch, torch.distributed as dist, time
-from dtnb.launcher.processes import launch, rank, world_size, LaunchError
+from dtnb.launcher.processes import launch, LaunchError
+from dtnb.core.dist import rank, world_size
 def train(k):
     t = torch.full((2,), float(rank() + 1)); dist.all_reduce(t)
     print(f"rank {rank()} of {world_size()} sees {t.tolist()}")
@@ -129,7 +130,8 @@ print("DONE", len(bad), len(left), round(time.monotonic() - t0, 1))
 
 
 def test_dtnb_launch_trains_and_equals_one_process():
-    one = subprocess.run([PY, 'examples/train.py', '--steps', '6'], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    one = subprocess.run([PY, 'examples/train.py', '--steps', '6'], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                         timeout=120)
     assert one.returncode == 0, one.stderr
     two = subprocess.run([DTNB, 'launch', '-n', '2', 'examples/train.py', '--steps', '6'], cwd=ROOT, env=ENV,
                          capture_output=True, text=True, timeout=180)
@@ -145,7 +147,8 @@ def test_two_nodes_on_loopback():
     from dtnb.launcher.processes import free_port
     port = free_port()
     node = lambda i: subprocess.Popen(
-        [DTNB, 'launch', '-n', '1', '--nnodes=2', f'--node-rank={i}', '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{port}',
+        [DTNB, 'launch', '-n', '1', '--nnodes=2', f'--node-rank={i}', '--rdzv-backend=c10d',
+         f'--rdzv-endpoint=127.0.0.1:{port}',
          '--rdzv-id=twonode', '--local-addr=127.0.0.1', 'examples/train.py', '--steps', '3'],
         cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     procs = [node(0), node(1)]
@@ -157,9 +160,11 @@ def test_two_nodes_on_loopback():
 
 def test_cli_launch_bad_input_is_fast():
     t = time.monotonic()
-    r = subprocess.run([DTNB, 'launch', '-n', '0', 'examples/train.py'], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([DTNB, 'launch', '-n', '0', 'examples/train.py'], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=60)
     assert r.returncode == 2 and "nprocs=0: launch needs a whole number of ranks >= 1" in r.stderr
-    r = subprocess.run([DTNB, 'launch', '-n', '2', 'missing.py'], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([DTNB, 'launch', '-n', '2', 'missing.py'], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=60)
     assert r.returncode == 2 and "script 'missing.py' not found" in r.stderr
     assert time.monotonic() - t < 20
 
@@ -178,7 +183,8 @@ def test_launch_in_process_leaves_nothing():
 # torch stays the real CPU build and the process groups are real gloo groups; only torch.accelerator's answers (which
 # accelerator torch was built for, how many devices it counts) are a stand-in, for a node with `n` CUDA GPUs.
 import torch
-from dtnb.launcher.processes import launch, init_distributed, current_device, shutdown, free_port
+from dtnb.launcher.processes import launch, init_distributed, shutdown, free_port
+from dtnb.core.dist import current_device
 from dtnb.core.utils import placement
 
 

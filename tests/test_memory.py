@@ -5,7 +5,8 @@ from dataclasses import replace
 import pytest
 import torch, torch.nn as nn, torch.nn.functional as F
 from dtnb.plan.activations import trace_activations
-from dtnb.plan.memory import estimate_memory, recommend, memory_explorer, TransformerShape, optimizer_bytes
+from dtnb.plan.memory import estimate_memory, TransformerShape, optimizer_bytes
+from dtnb.plan.recommend import recommend, memory_explorer
 from dtnb.plan.measure import measure_memory
 from dtnb.core.models import ToyModel, GPT, find_blocks
 
@@ -16,7 +17,8 @@ pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
 def test_zero_paper_figure():
     "7.5B parameters, 64 devices, mixed-precision Adam: 120, 31.4, 16.6, 1.9 GB per device (ZeRO-2 at its peak)"
-    got = {s: estimate_memory(7.5e9, strategy=s, world_size=64, optimizer='adam', precision='zero-mixed').model_states / 1e9
+    got = {s: estimate_memory(7.5e9, strategy=s, world_size=64, optimizer='adam',
+                              precision='zero-mixed').model_states / 1e9
            for s in ('ddp', 'zero1', 'zero2', 'zero3', 'fsdp')}
     for s, paper in dict(ddp=120, zero1=31.4).items():
         assert abs(got[s] - paper) <= 0.01 * paper, (s, got[s], paper)
@@ -38,7 +40,8 @@ def _toy(frozen=False):
     if frozen: m.inp.requires_grad_(False)
     return m
 
-XY = (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)), torch.randn(8, 5, generator=torch.Generator().manual_seed(1)))
+XY = (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)), torch.randn(8, 5,
+    generator=torch.Generator().manual_seed(1)))
 
 @pytest.mark.parametrize('strategy,optimizer,precision,frozen', [
     ('ddp', 'adamw', 'fp32', False), ('fsdp', 'adamw', 'fp32', False), ('fsdp', 'momentum', 'bf16-mixed', False),
@@ -49,9 +52,10 @@ def test_estimate_equals_measurement_on_two_ranks(strategy, optimizer, precision
                        loss_fn=F.mse_loss, timeout=120)
     assert len(r.measured) == 2 and [m['rank'] for m in r.measured] == [0, 1]
     for e, m in zip(r.estimates, r.measured):
-        assert (e.parameters, e.gradients, e.optimizer_states) == (m['parameters'], m['gradients'], m['optimizer_states']), (e, m)
+        assert (e.parameters, e.gradients, e.optimizer_states) == (m['parameters'], m['gradients'],
+                                                                   m['optimizer_states']), (e, m)
     assert r.exact
-    ln_stats = 2 * 2 * 8 * 2 if precision == 'bf16-mixed' else 0  # meta LayerNorm keeps bf16 statistics, the CPU kernel fp32
+    ln_stats = 2 * 2 * 8 * 2 if precision == 'bf16-mixed' else 0  # meta LayerNorm keeps bf16 statistics, CPU fp32
     assert all(m['activations'] - e.activations == ln_stats for e, m in zip(r.estimates, r.measured))
     if strategy != 'ddp' and optimizer != 'sgd':  # ranks hold different rows of the uneven tensors
         assert r.measured[0]['optimizer_states'] > r.measured[1]['optimizer_states']
@@ -82,7 +86,8 @@ def test_single_process_measurement_leaves_the_model_alone():
 MODELS = {
     'toy': lambda: (ToyModel(d_in=16, d=32, depth=3, d_out=4), torch.randn(4, 7, 16)),
     'gpt': lambda: (GPT(2, 64, 4), torch.randn(32, 2, 64)),
-    'torch-encoder': lambda: (nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2, enable_nested_tensor=False),
+    'torch-encoder': lambda: (nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2,
+                                                    enable_nested_tensor=False),
                               torch.randn(3, 10, 32)),
     'embedding+ce': lambda: (nn.Sequential(nn.Embedding(50, 16), nn.Flatten(), nn.Linear(16 * 6, 50)),
                              (torch.randint(0, 50, (4, 6)), torch.randint(0, 50, (4,)))),
@@ -94,8 +99,10 @@ def test_fake_trace_equals_real_forward(name, precision):
     "The trace under FakeTensorMode counts the same saved bytes as the same forward on real tensors"
     model, batch = MODELS[name]()
     loss = F.cross_entropy if name == 'embedding+ce' else None
-    fake, real = trace_activations(model, batch, loss, precision), trace_activations(model, batch, loss, precision, fake=False)
-    assert (fake.saved, fake.checkpointed, fake.tensors) == (real.saved, real.checkpointed, real.tensors) and fake.saved > 0
+    fake, real = trace_activations(model, batch, loss, precision), trace_activations(model, batch, loss, precision,
+                                                                                     fake=False)
+    assert (fake.saved, fake.checkpointed, fake.tensors) == (real.saved, real.checkpointed,
+                                                             real.tensors) and fake.saved > 0
 
 
 def test_gpt_layer_matches_korthikanti():
@@ -104,16 +111,16 @@ def test_gpt_layer_matches_korthikanti():
     tr = trace_activations(GPT(3, 64, 4), torch.randn(48, 2, 64), precision='zero-mixed')
     stats = 4 * 48 * 2 * 2
     assert tr.saved == shape.activation_bytes(2) + 3 * stats
-    assert tr.checkpointed == shape.activation_bytes(2, checkpoint=True) + stats
+    assert tr.checkpointed == shape.activation_bytes(2, activation_checkpointing=True) + stats
 
 
 def test_checkpointed_trace_against_live_memory():
-    "torch's MemTracker (a dispatch-mode tracker of live storages) on a really checkpointed model sees what the trace predicts"
+    "torch's MemTracker (a dispatch-mode tracker of live storages) on a recomputing model sees what the trace predicts"
     mem_tracker = pytest.importorskip('torch.distributed._tools.mem_tracker')
     torch.manual_seed(0)
     x = torch.randn(16, 2, 64)
     for ckpt in (False, True):
-        model = GPT(3, 64, 4, checkpoint=ckpt)
+        model = GPT(3, 64, 4, activation_checkpointing=ckpt)
         tr = trace_activations(model, x)
         mt = mem_tracker.MemTracker()
         mt.track_external(model)
@@ -142,10 +149,13 @@ def test_recommend_ladder():
     gpt7 = TransformerShape(layers=32, hidden=4096, heads=32, seq_len=2048, batch=1)
     assert recommend(7.5e9, shape=gpt7, world_size=64, memory=80e9, precision='zero-mixed').label == 'zero1'
     big = replace(gpt7, batch=16)
-    got = [recommend(7.5e9, shape=big, world_size=64, memory=m, precision='zero-mixed').label for m in (80e9, 40e9, 28e9, 24e9)]
-    assert got == ['zero1 + checkpointing', 'zero3 + checkpointing', 'zero3 + checkpointing + offload', 'nothing fits']
+    got = [recommend(7.5e9, shape=big, world_size=64, memory=m, precision='zero-mixed').label for m in (80e9, 40e9,
+                                                                                                        28e9, 24e9)]
+    assert got == ['zero1 + activation checkpointing', 'zero3 + activation checkpointing',
+                   'zero3 + activation checkpointing + offload', 'nothing fits']
     small = recommend(ToyModel(), torch.randn(4, 16), world_size=4, memory=1e9)
-    assert small.strategy == 'ddp' and small.reason.startswith('fits on one device') and 'DDP over 4 devices' in small.reason
+    assert small.strategy == 'ddp' and small.reason.startswith('fits on one device')
+    assert 'DDP over 4 devices' in small.reason
 
 
 def test_recommend_reads_this_machine():
@@ -163,7 +173,7 @@ def test_recommend_reads_this_machine():
 
 def test_explorer_follows_its_controls():
     shape = TransformerShape(layers=8, hidden=1024, heads=16, seq_len=512, batch=2)
-    w = memory_explorer(shape, world_size=16, strategy='fsdp')
+    w = memory_explorer(shape, world_size=16, strategy='fsdp', precision='zero-mixed')
     ctl = {c.description: c for c in w.kwargs_widgets}
     assert w.result == estimate_memory(shape.params(), 'zero3', 16, 'adamw', 'zero-mixed', shape=shape)
     ctl['devices'].value, ctl['precision'].value, ctl['micro-batch'].value = 4, 'fp32', 8
@@ -175,7 +185,8 @@ def test_explorer_follows_its_controls():
 # ---- errors ----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('call,msg', [
-    (lambda: estimate_memory(1e9, 'zero4', 8), "strategy='zero4' is not one of 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp' means 'zero3') or 'pipeline'"),
+    (lambda: estimate_memory(1e9, 'zero4', 8),
+     "strategy='zero4' is not one of 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp' means 'zero3') or 'pipeline'"),
     (lambda: estimate_memory(1e9, 'single', 8), "world_size must be 1, not 8"),
     (lambda: estimate_memory(1e9, 'ddp', 4, offload=True), "offload=True needs a sharded strategy"),
     (lambda: estimate_memory(1e9, batch=torch.zeros(2)), "batch= needs a model to trace"),

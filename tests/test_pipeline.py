@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-import torch.distributed.pipelining, torch.distributed.tensor.parallel, torch.distributed.fsdp  # once, before the ranks fork
+import torch.distributed.pipelining, torch.distributed.tensor.parallel, torch.distributed.fsdp  # once, before forking
 from dtnb.launcher.processes import launch, LaunchError
 from dtnb.core.models import ToyModel, Block, TinyTransformer, toy_data, toy_sequences
 from dtnb.parallel.pipeline_split import split_model, pipeline_units, balance_bounds
@@ -21,7 +21,8 @@ mse = nn.functional.mse_loss
 # ---------------------------------------------------------------- models and references
 def uneven_model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), Block(32, 256), Block(32, 256), *[Block(32, 32) for _ in range(6)], nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(16, 32), Block(32, 256), Block(32, 256), *[Block(32, 32) for _ in range(6)],
+                         nn.Linear(32, 4))
 
 def seqs(): return toy_sequences(64, seq=8)
 def full(t): return t.full_tensor() if hasattr(t, 'full_tensor') else t
@@ -76,7 +77,8 @@ def test_schedule_equals_one_process(schedule):
     assert sorted(g) == sorted(grads) and sorted(p) == sorted(params)
     for k in grads: assert_close(g[k], grads[k], what=k)
     for k in params: assert_close(p[k], params[k], what=k)
-    assert res[0]['stages'] == ([0] if SCHEDULES[schedule][1] == 'one' else [0, 3] if 'V' in SCHEDULES[schedule][1] else [0, 2])
+    assert res[0]['stages'] == ([0] if SCHEDULES[schedule][1] == 'one' else [0,
+        3] if 'V' in SCHEDULES[schedule][1] else [0, 2])
 
 def test_interleaved_two_stages_per_rank_more_microbatches():
     res = launch(train_pipe, 'interleaved1f1b', n_microbatches=8, nprocs=2)
@@ -92,14 +94,17 @@ def test_balanced_split_on_uneven_layers():
     costs = [float(sum(p.numel() for p in m.get_submodule(u).parameters())) for u in units]
     for k in (2, 3, 4):
         s = split_model(m, n_stages=k)
-        best = min(max(sum(costs[a:b]) for a, b in zip((0,) + c, c + (len(costs),))) for c in itertools.combinations(range(1, len(costs)), k - 1))
+        best = min(max(sum(costs[a:b]) for a, b in zip((0,) + c, c + (len(costs),
+                                                                      ))) for c in itertools.combinations(range(1,
+                                                                          len(costs)), k - 1))
         assert max(s.stage_costs) == best
     assert split_model(m, n_stages=2).imbalance < 1.3 < split_model(m, split_points=['5']).imbalance
 
 def test_balanced_uneven_model_trains_like_one_process():
     res = launch(train_pipe, '1f1b', make=uneven_model, nprocs=2)
     losses, grads, _ = ref(uneven_model)
-    assert set(res[0]['params']) == {k for k in grads if k.startswith(('0.', '1.'))}  # stage 0: input layer and first wide block
+    assert set(res[0]['params']) == {k for k in grads if k.startswith(('0.',
+        '1.'))}  # stage 0: input layer and first wide block
     for r in res: assert_close(r['losses'], losses, what='loss')
     g = merged(res, 'grads')
     for k in grads: assert_close(g[k], grads[k], what=k)
@@ -111,7 +116,8 @@ def test_balance_bounds_matches_brute_force():
         for k in range(1, len(costs) + 1):
             b = balance_bounds(costs, k)
             assert all(lo < hi for lo, hi in zip(b, b[1:]))
-            best = min(max(sum(costs[lo:hi]) for lo, hi in zip((0,) + c, c + (len(costs),))) for c in itertools.combinations(range(1, len(costs)), k - 1))
+            cuts = itertools.combinations(range(1, len(costs)), k - 1)
+            best = min(max(sum(costs[lo:hi]) for lo, hi in zip((0,) + c, c + (len(costs),))) for c in cuts)
             assert max(sum(costs[lo:hi]) for lo, hi in zip(b, b[1:])) == best
 
 def profile(schedule, m=4):
@@ -125,7 +131,8 @@ def test_measured_order_is_the_plan(schedule):
     "What each rank ran, in time order, is the order the schedule plans (for 1F1B/GPipe: dtnb's own derivation)"
     tl, order = launch(profile, schedule, nprocs=2)[0]
     for r in range(2):
-        assert [(e['stage'], e['kind'], e['mb']) for e in sorted(tl.events, key=lambda e: e['start']) if e['rank'] == r] == order[r]
+        events = sorted(tl.events, key=lambda e: e['start'])
+        assert [(e['stage'], e['kind'], e['mb']) for e in events if e['rank'] == r] == order[r]
     assert 0 <= tl.bubble < 1 and tl.span > 0 and tl.loss > 0
 
 @pytest.mark.parametrize('p,m', list(itertools.product((1, 2, 4, 6), (1, 3, 8))))
@@ -148,7 +155,8 @@ def loop_api(degrees, schedule):
     val = pipe.eval().eval_loss(x, y).item()
     return norm, grads, val
 
-@pytest.mark.parametrize('degrees,schedule', [(dict(pp=2), '1f1b'), (dict(pp=2), 'interleaved1f1b'), (dict(pp=2, tp=2), 'gpipe'),
+@pytest.mark.parametrize('degrees,schedule', [(dict(pp=2), '1f1b'), (dict(pp=2), 'interleaved1f1b'), (dict(pp=2, tp=2),
+                                                                                                      'gpipe'),
                                               (dict(pp=2, dp_shard=2), '1f1b')])
 def test_clip_and_eval_over_all_stages(degrees, schedule):
     "The clipping norm is the whole model's, the clipped gradients and the forward-only loss are one process's"
@@ -173,7 +181,9 @@ def too_many_stages(): apply_pipeline(ToyModel(depth=1), mse, schedule='interlea
 def wrong_count(): apply_pipeline(ToyModel(), mse, n_stages=3)
 
 @pytest.mark.parametrize('fn,msg', [
-    (odd_batch, "a batch of 10 does not split into n_microbatches=4 equal microbatches: use a batch size that is a multiple of 4 (e.g. 12)"),
+    (odd_batch,
+     "a batch of 10 does not split into n_microbatches=4 equal microbatches: use a batch size that is a multiple of 4 "
+     "(e.g. 12)"),
     (too_many_stages, "n_stages=4 but ToyModel has only 3 pipeline units (inp, layers.0, head): use n_stages <= 3"),
     (wrong_count, "schedule '1f1b' runs one stage per rank: n_stages=3 on 2 pipeline ranks; use n_stages=2"),
 ])
@@ -199,7 +209,8 @@ def tp_train(make, data, sp):
         loss = mse(model(x), y); opt.zero_grad(); loss.backward(); opt.step(); losses.append(loss.item())
     return losses, {k: full(v).clone() for k, v in model.state_dict().items()}
 
-@pytest.mark.parametrize('make,data,sp', [(ToyModel, lambda: toy_data(64), False), (TinyTransformer, seqs, False), (TinyTransformer, seqs, True)])
+@pytest.mark.parametrize('make,data,sp', [(ToyModel, lambda: toy_data(64), False), (TinyTransformer, seqs, False),
+                                          (TinyTransformer, seqs, True)])
 def test_tensor_parallel_equals_one_process(make, data, sp):
     losses, _, params = ref(make, data)
     for l, p in launch(tp_train, make, data, sp, nprocs=2):
@@ -239,7 +250,9 @@ COMBOS = [  # degrees, parallelize options, ranks, transformer?
     (dict(dp_shard=2, tp=2), dict(sequence_parallel=True, activation_checkpointing=True), 4, True),
 ]
 
-@pytest.mark.parametrize('degrees,kw,n,transformer', COMBOS, ids=[f"{'x'.join(f'{k}{v}' for k, v in d.items())}-{'-'.join(kw) or 'plain'}" for d, kw, _, _ in COMBOS])
+@pytest.mark.parametrize('degrees,kw,n,transformer', COMBOS,
+                         ids=[f"{'x'.join(f'{k}{v}' for k, v in d.items())}-{'-'.join(kw) or 'plain'}" for d, kw, _,
+                              _ in COMBOS])
 def test_composition_equals_one_process(degrees, kw, n, transformer):
     make, data = (TinyTransformer, seqs) if transformer else (ToyModel, lambda: toy_data(64))
     losses, _, params = ref(make, data)
@@ -251,8 +264,10 @@ def test_composition_equals_one_process(degrees, kw, n, transformer):
 
 def test_degrees_product_error():
     with pytest.raises(LaunchError) as e: launch(train, dict(dp_shard=2, tp=2), nprocs=2, timeout=60)
-    assert "dp_replicate 1 × dp_shard 2 × tp 2 × pp 1 = 4, but the world size is 2: make the product equal 2 (e.g. dp_shard=1)" in str(e.value)
-    with pytest.raises(ValueError, match="tp=-1 takes what the other degrees leave, but they need 3 ranks"): Degrees(dp_shard=3, tp=-1).resolve(4)
+    assert ("dp_replicate 1 × dp_shard 2 × tp 2 × pp 1 = 4, but the world size is 2: make the product equal 2 "
+            "(e.g. dp_shard=1)") in str(e.value)
+    with pytest.raises(ValueError, match="tp=-1 takes what the other degrees leave, but they need 3 ranks"):
+        Degrees(dp_shard=3, tp=-1).resolve(4)
 
 def mesh_groups():
     mesh = Degrees(pp=2, tp=2).build_mesh()
@@ -275,7 +290,8 @@ def fit_pipe(degrees, dicts=False):
     model = parallelize(ToyModel(), deg, mse, mesh=mesh)
     r, n = data_rank(mesh)
     x, y = toy_data(64)[:48]
-    ds = torch.utils.data.TensorDataset(*(t.view(3, n, 16 // n, -1)[:, r].reshape(-1, t.shape[-1]) for t in (x, y)))  # this rank's share
+    ds = torch.utils.data.TensorDataset(*(t.view(3, n, 16 // n, -1)[:, r].reshape(-1, t.shape[-1]) for t in (x,
+        y)))  # this rank's share
     kw = dict(keys=('inputs', 'targets')) if dicts else {}
     if dicts: ds = [dict(inputs=a, targets=b) for a, b in ds]  # dict batches: fit cuts them by `keys`
     xv, yv = toy_data(32, seed=1)[:]  # validated at the end of the epoch: this replica's half (or all) of 32
@@ -286,7 +302,8 @@ def fit_pipe(degrees, dicts=False):
     return (res.losses, res.samples, {k: full(v).detach().clone() for k, v in model.state_dict().items()},
             model.data_parallel_size, [v['val_loss'] for v in res.validations])
 
-@pytest.mark.parametrize('degrees,dicts', [(dict(pp=2), False), (dict(pp=2), True), (dict(pp=2, dp_replicate=2), False)])
+@pytest.mark.parametrize('degrees,dicts', [(dict(pp=2), False), (dict(pp=2), True), (dict(pp=2, dp_replicate=2),
+                                                                                     False)])
 def test_fit_trains_a_pipeline_like_one_process(degrees, dicts):
     losses, _, params = ref()
     res = launch(fit_pipe, degrees, dicts, nprocs=2 * len(degrees))

@@ -51,7 +51,7 @@ def _measure(model_fns, rounds=5):
     from dtnb.bench.compute import bench_matmul
     from dtnb.bench.collectives import _run_collective, busbw
     from dtnb.bench.throughput import _train_step, default_loss
-    from dtnb.parallel.ddp import wrap
+    from dtnb.parallel.wrap import wrap
     n, cases = dist.get_world_size(), []
     for fn in model_fns:
         torch.manual_seed(0)

@@ -24,7 +24,8 @@ def _stale():
 @pytest.fixture(scope='module')
 def site():
     if _stale():
-        args = [sys.executable, 'tools/docs.py', 'build'] + (['--no-exec'] if os.environ.get('DTNB_DOCS_EXEC') == '0' else [])
+        args = [sys.executable, 'tools/docs.py',
+                'build'] + (['--no-exec'] if os.environ.get('DTNB_DOCS_EXEC') == '0' else [])
         r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(DOCS))
@@ -71,7 +72,8 @@ def test_every_page_loads_cleanly_and_is_reachable(site, browser):
         seen.add(rel)
         page, errors, failed = visit(browser, site + rel)
         problems += [f"{rel}: console: {e}" for e in errors] + [f"{rel}: request: {f}" for f in failed]
-        broken = page.evaluate("[...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src.slice(0, 80))")
+        broken = page.evaluate("[...document.images].filter(i => !(i.complete && i.naturalWidth > 0))"
+                               ".map(i => i.src.slice(0, 80))")
         problems += [f"{rel}: image did not load: {b}" for b in broken]
         for href in page.evaluate("[...document.querySelectorAll('a[href]')].map(a => a.href)"):
             u = urlparse(href)

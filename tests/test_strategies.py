@@ -9,8 +9,10 @@ import torch.distributed as dist
 transformers = pytest.importorskip('transformers')  # imported once: forked ranks inherit it
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from dtnb.launcher.processes import launch
-from dtnb.parallel.ddp import wrap, make_optimizer, distributed_loader
-from dtnb.plan.memory import estimate_memory, recommend
+from dtnb.parallel.ddp import make_optimizer, distributed_loader
+from dtnb.parallel.wrap import wrap
+from dtnb.plan.memory import estimate_memory
+from dtnb.plan.recommend import recommend
 from dtnb.plan.measure import _measure_step
 from dtnb.core.models import ToyModel, toy_data
 
@@ -35,7 +37,8 @@ def llama():
 MODELS = dict(gpt2=gpt2, llama=llama)
 TOKENS = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(0))
 SETUPS = dict(ddp=('ddp', {}), zero1=('zero1', {}), zero2=('zero2', {}), zero3=('zero3', {}),
-              ddp_ckpt=('ddp', dict(checkpoint=True)), zero2_ckpt=('zero2', dict(checkpoint=True)),
+              ddp_ac=('ddp', dict(activation_checkpointing=True)), zero2_ac=('zero2',
+                  dict(activation_checkpointing=True)),
               zero3_offload=('zero3', dict(offload=True)))
 
 
@@ -129,8 +132,8 @@ def saved_bytes(model, ids):
 
 
 def test_checkpointing_really_recomputes():
-    "checkpoint=True trains equal (above) and keeps less for backward: each block saves only its input"
-    plain, ckpt = wrap(gpt2(), 'single'), wrap(gpt2(), 'single', checkpoint=True)
+    "activation_checkpointing=True trains equal (above) and keeps less for backward: each block saves only its input"
+    plain, ckpt = wrap(gpt2(), 'single'), wrap(gpt2(), 'single', activation_checkpointing=True)
     assert saved_bytes(ckpt, IDS) < 0.7 * saved_bytes(plain, IDS)
 
 
@@ -160,7 +163,7 @@ def test_every_recommend_answer_runs():
         p = recommend(model, x, world_size=2, memory=int((t + 1) / 0.9) + 1)
         if p.strategy not in (None, 'pipeline'): plans[p.label] = p.wrap_kwargs
     assert {'ddp', 'zero1', 'zero3', 'zero3 + offload'} <= set(plans), plans
-    assert any(k.get('checkpoint') for k in plans.values()), plans
+    assert any(k.get('activation_checkpointing') for k in plans.values()), plans
     torch.manual_seed(0)
     ref = ToyModel(); o = torch.optim.AdamW(ref.parameters(), lr=1e-2); ds, ref_losses = toy_data(64), []
     for i in range(3):
@@ -186,7 +189,7 @@ def zero1_fit(ckpt_dir):
         model = wrap(ToyModel(), 'zero1')
         o = make_optimizer(model, torch.optim.AdamW, lr=1e-2)
         dl = distributed_loader(toy_data(256), global_batch_size=16, shuffle=False)
-        runs.append(fit(model, dl, o, max_steps=steps, progress=False, checkpoint_dir=ckpt_dir, every=2))
+        runs.append(fit(model, dl, o, max_steps=steps, progress=False, checkpoint_dir=ckpt_dir, checkpoint_every=2))
     return msg, [(r.start_step, r.losses) for r in runs]
 
 

@@ -104,7 +104,7 @@ def collective_rank(ops:list, sizes:list, dtype:str='fp32', iters:int=20, warmup
                     progress:bool=False) -> list[dict]:
     "Run inside every rank of an initialised process group: time and verify each collective at each size"
     import torch.distributed as dist
-    from dtnb.launcher.processes import current_device
+    from dtnb.core.dist import current_device
     rank, n, device, dt = dist.get_rank(), dist.get_world_size(), current_device(), DTYPES[dtype]
     cases = [(op, s, collective_counts(op, s, n, dt.itemsize)) for op in ops for s in sizes]
     cases = [x for x in cases if x[2]['count'] > 0]   # too small to split over n ranks

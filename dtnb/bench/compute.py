@@ -17,8 +17,8 @@ from ..core.utils import (md_table, text_table, parse_size, percentile, progress
                         DTYPES)
 
 # %% auto #0
-__all__ = ['PEAK_MEM_BW', 'OTHER_MEM_BW', 'resolve_device', 'time_fn', 'summarize', 'cache_bytes', 'BenchResult', 'device_info',
-           'throughput_unit', 'matmul_flops', 'bench_matmul', 'peak_memory_bw', 'bench_memory']
+__all__ = ['PEAK_MEM_BW', 'OTHER_MEM_BW', 'resolve_device', 'time_fn', 'summarize_times', 'cache_bytes', 'BenchResult',
+           'device_info', 'throughput_unit', 'matmul_flops', 'bench_matmul', 'peak_memory_bw', 'bench_memory']
 
 # %% ../../nbs/07_bench.compute.ipynb #01d02454
 def resolve_device(device=None) -> torch.device:
@@ -79,7 +79,7 @@ def time_fn(fn,                # called as `fn(i)` with the call index `i` (use 
     return out
 
 # %% ../../nbs/07_bench.compute.ipynb #7daf2d5c
-def summarize(times:list) -> dict:
+def summarize_times(times:list) -> dict:
     "Median, mean, min, max and 10th/90th percentiles of `times`"
     return dict(median=statistics.median(times), mean=statistics.fmean(times), min=min(times), max=max(times),
                 p10=percentile(times, 10), p90=percentile(times, 90), n=len(times))

@@ -9,8 +9,9 @@ from __future__ import annotations
 import math, re
 from dataclasses import dataclass
 from ..core.specs import DeviceSpec, device_spec
-from ..core.utils import PRECISIONS, md_table, text_table, fmt_bytes
-from ..plan.memory import TransformerShape, recommend
+from ..core.utils import PRECISIONS, precision_for, md_table, text_table, fmt_bytes
+from ..plan.memory import TransformerShape
+from ..plan.recommend import recommend
 from .collectives import busbw_factor
 from ..parallel.pipeline_schedules import bubble_fraction
 from .throughput import step_flops, default_loss, PRICE_EXAMPLES
@@ -44,13 +45,13 @@ def bus_bytes(collectives:list, n:int) -> float:
 # %% ../../nbs/07c_bench.forecast.ipynb #404b3042
 def flops_per_sample(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
                      batch=None, # with a model: one device's batch, counted by `step_flops`
-                     checkpoint:bool=False, loss_fn=None) -> tuple[float, int, str]:
+                     activation_checkpointing:bool=False, loss_fn=None) -> tuple[float, int, str]:
     "(training FLOPs of one sample, samples in one device's micro-batch, how they were counted)"
     if isinstance(model, TransformerShape):
         s, L, h, v = model.seq_len, model.layers, model.hidden, model.vocab
-        f = (96 if checkpoint else 72) * s * L * h * h * (1 + s / (6 * h) + v / (12 * h * L))
+        f = (96 if activation_checkpointing else 72) * s * L * h * h * (1 + s / (6 * h) + v / (12 * h * L))
         return f, model.batch, "Megatron-LM's formula (Narayanan et al. 2021, eq. 3)"
-    rc = 4 / 3 if checkpoint else 1
+    rc = 4 / 3 if activation_checkpointing else 1
     if hasattr(model, 'parameters'):
         if batch is None: raise ValueError("A model needs batch= (one device's example batch) to count its FLOPs")
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
@@ -62,7 +63,10 @@ def flops_per_sample(model, # an `nn.Module`, a parameter count, or a `Transform
     return 6 * model * rc, batch, "6 x parameters per token (Kaplan et al. 2020)"
 
 # %% ../../nbs/07c_bench.forecast.ipynb #69cb63ee
-_PRECISION = {'bf16': 'bf16-mixed', 'fp16': 'fp16-mixed', 'fp8': 'bf16-mixed', 'tf32': 'fp32', 'fp32': 'fp32'}
+def _trains_with(dtype) -> str|None:
+    "The precision a run in `dtype` trains with (fp8 matmuls keep bf16-mixed's memory); None where there is none"
+    try: return precision_for('bf16' if dtype == 'fp8' else dtype)
+    except ValueError: return None
 
 @dataclass
 class Target:
@@ -78,9 +82,9 @@ class Target:
             raise ValueError(f"count={self.count!r} must be a whole number of devices >= 1")
         t = self.spec.tflops
         self.dtype = self.dtype or next((d for d in ('bf16', 'fp16', 'fp32') if d in t), None)
-        if self.dtype not in t or self.dtype not in _PRECISION:
+        if self.dtype not in t or _trains_with(self.dtype) is None:
             raise ValueError(f"{self.spec.name} has no {self.dtype} figure in its datasheet row: use one of "
-                             f"{', '.join(d for d in t if d in _PRECISION)}")
+                             f"{', '.join(d for d in t if _trains_with(d))}")
         if self.count > self.spec.per_node and self.busbw is None:
             raise ValueError(f"{self.count} x {self.spec.name} spans servers of {self.spec.per_node}: the network "
                              "between them is not in the device table; give busbw=<GB/s per device>")
@@ -125,10 +129,10 @@ def _price(prices, spec):
 # %% ../../nbs/07c_bench.forecast.ipynb #3ebdc63c
 def _step(t, e, fps, mb, shape, eff, microbatches):
     "(compute, communication, bubble, offload) seconds of one step and samples per step, for estimate `e` on `t`"
-    spec, n, prec = t.spec, t.count, _PRECISION[t.dtype]
+    spec, n, prec = t.spec, t.count, _trains_with(t.dtype)
     peak = spec.tflops[t.dtype] * 1e12 * eff
     flops = fps * mb  # recomputation under checkpointing is in `fps` already
-    pb, gb, ab = PRECISIONS[prec][0], PRECISIONS[prec][1], PRECISIONS[prec][4]
+    pb, gb, ab = PRECISIONS[prec].params, PRECISIONS[prec].grads, PRECISIONS[prec].activations
     off = 2 * e.offloaded / (spec.host_bw * 1e9) if e.offload and spec.host_bw else 0.0
     if e.strategy == 'pipeline':
         p = e.world_size; m = microbatches or 4 * p
@@ -151,7 +155,7 @@ def _choose(plan, strategy):
 def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, loss_fn, strategy):
     "The prediction for target `t`: the plan, the step's parts, the run's hours and cost"
     plan = recommend(model, batch if hasattr(model, 'parameters') else None, world_size=t.count,
-                     memory=t.spec.memory, optimizer=optimizer, precision=_PRECISION[t.dtype], shape=shape,
+                     memory=t.spec.memory, optimizer=optimizer, precision=_trains_with(t.dtype), shape=shape,
                      loss_fn=loss_fn or (default_loss if isinstance(batch, (tuple, list)) else None))
     row = dict(target=t.label, devices=t.count, device=t.spec.name, dtype=t.dtype, busbw=t.busbw,
                usd_hour=_price(prices, t.spec) * t.count, efficiency=eff, plan=plan.label, reason=plan.reason)
@@ -160,7 +164,7 @@ def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, los
         if strategy: row |= dict(plan=strategy, reason=f"{strategy} does not fit in {fmt_bytes(plan.budget)}")
         return row | dict(fits=False)
     e = plan.estimates[chosen]; row['plan'] = e.label
-    fps, mb, _ = flops_per_sample(model, batch, e.checkpoint, loss_fn)
+    fps, mb, _ = flops_per_sample(model, batch, e.activation_checkpointing, loss_fn)
     compute, comm, bubble, off, per_step = _step(t, e, fps, mb, shape, eff, microbatches)
     step = compute + comm + bubble + off
     steps = math.ceil(work / per_step)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from ..detection.device import detect
 from ..core.utils import DTYPES, dtype_name, autocast, progress_bar
-from .compute import (BenchResult, time_fn, summarize, resolve_device, device_info, throughput_unit,
+from .compute import (BenchResult, time_fn, summarize_times, resolve_device, device_info, throughput_unit,
                         bench_matmul, bench_memory)
 from .collectives import bench_collectives
 
@@ -118,7 +118,7 @@ def bench_model(model, batch,                  # a tensor, or an (inputs, target
     name = _compute_dtype(model, amp, device)
     flops = step_flops(model, (x, y), loss_fn, amp)
     times = time_fn(lambda i: _train_step(model, opt, loss_fn, x, y, amp, device), device, steps, warmup)
-    st, peak = summarize(times), _measured_peak(matmul_peak, name, device)
+    st, peak = summarize_times(times), _measured_peak(matmul_peak, name, device)
     summary = _model_summary(x.shape[0], _tokens_per_sample(x, tokens), st, flops, name, info, peak, device)
     rows = [dict(stat=k, ms=st[k] * 1e3) for k in ('min', 'p10', 'median', 'mean', 'p90', 'max')]
     cfg = dict(model=type(model).__name__, batch=list(x.shape), steps=steps, warmup=warmup, amp=amp,
@@ -143,13 +143,13 @@ def predict_sync_seconds(strategy:str, nbytes:float, n:int, busbw_gbs:float) -> 
 # %% ../../nbs/07b_bench.throughput.ipynb #92f4cc39
 def scaling_rank(model_fn, batch, strategy:str='ddp', steps:int=10, warmup:int=3, loss_fn=None, amp=None) -> dict:
     "Run inside every rank: median step time of `model_fn()` wrapped for `strategy`, and for DDP without grad sync"
-    from dtnb.launcher.processes import current_device, world_size
+    from dtnb.core.dist import current_device, world_size
     device, n = current_device(), world_size()
     torch.manual_seed(0)
     model = model_fn().to(device)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if n > 1:
-        from dtnb.parallel.ddp import wrap
+        from dtnb.parallel.wrap import wrap
         model = wrap(model, strategy)
     x, y = (None if t is None else t.to(device) for t in _split(batch))
     opt, loss_fn = torch.optim.SGD(model.parameters(), lr=1e-4), loss_fn or default_loss

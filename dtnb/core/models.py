@@ -88,13 +88,15 @@ class GPTBlock(nn.Module):
         return x + _drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
 
 class GPT(nn.Module):
-    "`L` Korthikanti layers of hidden size `h` and `a` heads; `checkpoint` recomputes each in backward"
-    def __init__(self, L:int, h:int, a:int, checkpoint:bool=False):
+    "`L` Korthikanti layers of hidden size `h` and `a` heads; `activation_checkpointing` recomputes each in backward"
+    def __init__(self, L:int, h:int, a:int, activation_checkpointing:bool=False):
         super().__init__()
-        self.layers, self.checkpoint = nn.ModuleList(GPTBlock(h, a) for _ in range(L)), checkpoint
+        self.layers = nn.ModuleList(GPTBlock(h, a) for _ in range(L))
+        self.activation_checkpointing = activation_checkpointing
     def forward(self, x):
         from torch.utils.checkpoint import checkpoint
-        for layer in self.layers: x = checkpoint(layer, x, use_reentrant=False) if self.checkpoint else layer(x)
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False) if self.activation_checkpointing else layer(x)
         return x
 
 # %% ../../nbs/00c_core.models.ipynb #d19eac8d

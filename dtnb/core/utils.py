@@ -6,16 +6,17 @@ Docs: https://dtnb-dev.github.io/dtnb/core.utils.html.md"""
 
 # %% ../../nbs/00_core.utils.ipynb #52bfd99f
 from __future__ import annotations
-import os, re, sys, math, contextlib
+import os, re, sys, math, time, contextlib
+from typing import NamedTuple
 from collections.abc import Mapping
 import torch
 from torch.utils import _pytree as pytree
 
 # %% auto #0
-__all__ = ['DTYPES', 'PRECISIONS', 'md_table', 'text_table', 'fmt_bytes', 'parse_size', 'percentile', 'in_notebook',
-           'progress_bar', 'tree_map_tensors', 'tensors', 'to_device', 'cast_inputs', 'cpu_pinned', 'accelerators',
-           'accelerator_type', 'default_device', 'synchronize', 'placement', 'require_group', 'broadcast_from_rank0',
-           'all_gather_objects', 'dtype_name', 'as_dtype', 'check_precision', 'autocast', 'shard_numel']
+__all__ = ['DTYPES', 'PRECISIONS', 'DEFAULT_PRECISION', 'md_table', 'text_table', 'fmt_bytes', 'parse_size', 'percentile',
+           'in_notebook', 'progress_bar', 'StepProgress', 'tree_map_tensors', 'tensors', 'to_device', 'cast_inputs',
+           'cpu_pinned', 'accelerators', 'accelerator_type', 'default_device', 'synchronize', 'placement', 'dtype_name',
+           'as_dtype', 'Precision', 'check_precision', 'precision_for', 'autocast', 'shard_numel']
 
 # %% ../../nbs/00_core.utils.ipynb #2c24aabb
 def md_table(header, rows) -> str:
@@ -76,6 +77,27 @@ def progress_bar(it=None, enable:bool|None=None, **kwargs):
     if not enable: return it
     from tqdm.auto import tqdm
     return tqdm(it, **{'leave': False, **kwargs})
+
+# %% ../../nbs/00_core.utils.ipynb #d0fb6439
+class StepProgress:
+    "Progress over optimizer steps: a bar, or with `lines` a printed line every `every` seconds (for launched ranks)"
+    def __init__(self, on:bool, total:int|None, start:int=0, lines:bool=False, every:float=2.0, desc:str='fit'):
+        self.total, self.start, self.every, self.lines, self.desc = total, start, every, on and lines, desc
+        self.t0, self.last = time.perf_counter(), float('-inf')
+        self.bar = progress_bar(total=total, initial=start, enable=on and not lines, desc=desc, unit='step',
+                                mininterval=0.5)
+    def update(self, step, loss):
+        "Step `step` is done with `loss` (read from the device only when shown)"
+        if self.bar is not None:
+            if (step - self.start) % 10 == 1 or step == self.total: self.bar.set_postfix(loss=f"{float(loss):.4f}")
+            self.bar.update(1)
+        elif self.lines and (step in (self.start + 1, self.total) or time.perf_counter() - self.last >= self.every):
+            self.last = time.perf_counter()
+            rate = (step - self.start) / max(self.last - self.t0, 1e-9)
+            of = f"/{self.total}" if self.total else ''
+            print(f"{self.desc}: step {step}{of} · loss {float(loss):.4f} (rank 0) · {rate:.1f} steps/s", flush=True)
+    def close(self):
+        if self.bar is not None: self.bar.close()
 
 # %% ../../nbs/00_core.utils.ipynb #affa2f25
 def tree_map_tensors(fn, batch):
@@ -142,31 +164,6 @@ def placement(device:str|None):
         if before is None: os.environ.pop('DTNB_DEVICE', None)
         else: os.environ['DTNB_DEVICE'] = before
 
-# %% ../../nbs/00_core.utils.ipynb #782b4b0d
-def require_group(what:str) -> None:
-    "Raise an error naming `what` and how to start a process group, unless one is initialised"
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        raise RuntimeError(f"{what} needs a process group: run it inside dtnb.launch(...), or call "
-                           "dtnb.init_distributed() first (under torchrun, srun or `dtnb launch`)")
-
-def broadcast_from_rank0(obj, group=None):
-    "`obj` as rank 0 of `group` (default: all ranks) has it, on every rank of the group"
-    import torch.distributed as dist
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1: return obj
-    group = group or dist.group.WORLD
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
-
-def all_gather_objects(obj) -> list:
-    "`obj` from every rank, in rank order (`all_gather_object`); `[obj]` in one process"
-    import torch.distributed as dist
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1: return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
 # %% ../../nbs/00_core.utils.ipynb #e908833f
 DTYPES = dict(fp64=torch.float64, fp32=torch.float32, tf32=torch.float32, bf16=torch.bfloat16,
               fp16=torch.float16, fp8=torch.float8_e4m3fn)
@@ -187,26 +184,44 @@ def as_dtype(x, what:str='dtype'):
     return DTYPES[name]
 
 # %% ../../nbs/00_core.utils.ipynb #1a7ebf14
-PRECISIONS = {  # name: (params, grads, master copy, each optimizer state, activations) bytes, autocast dtype
-    'fp32':       (4, 4, 0, 4, 4, None),
-    'bf16-mixed': (4, 4, 0, 4, 2, torch.bfloat16),
-    'fp16-mixed': (4, 4, 0, 4, 2, torch.float16),
-    'bf16-true':  (2, 2, 0, 2, 2, None),
-    'zero-mixed': (2, 2, 4, 4, 2, None),
+class Precision(NamedTuple):
+    "Bytes per element a precision trains with, and the dtype autocast computes in (None: no autocast)"
+    params: int
+    grads: int
+    master: int              # the fp32 master copy of the weights (ZeRO's mixed precision)
+    optimizer_state: int     # each optimizer state (Adam has two)
+    activations: int
+    autocast: torch.dtype|None
+
+PRECISIONS = {
+    'fp32':       Precision(4, 4, 0, 4, 4, None),
+    'bf16-mixed': Precision(4, 4, 0, 4, 2, torch.bfloat16),
+    'fp16-mixed': Precision(4, 4, 0, 4, 2, torch.float16),
+    'bf16-true':  Precision(2, 2, 0, 2, 2, None),
+    'zero-mixed': Precision(2, 2, 4, 4, 2, None),
 }
-_OLD_PRECISIONS = {'bf16': "'bf16-mixed' (autocast) or 'bf16-true' (pure bf16)", 'fp16': "'fp16-mixed'",
-                   'amp': "'bf16-mixed' (or 'fp16-mixed')", 'mixed': "'zero-mixed'", 'true': "'bf16-true'"}
+DEFAULT_PRECISION = 'fp32'  # what fit, the memory planner, measure_memory and `dtnb plan` use when given none
+_AMBIGUOUS = {'bf16': "'bf16-mixed' (autocast) or 'bf16-true' (pure bf16)", 'fp16': "'fp16-mixed'",
+              'amp': "'bf16-mixed' (or 'fp16-mixed')", 'mixed': "'zero-mixed'", 'true': "'bf16-true'"}
+_TRAINS_IN = {'fp32': 'fp32', 'tf32': 'fp32', 'bf16': 'bf16-mixed', 'fp16': 'fp16-mixed'}
 
 def check_precision(precision) -> str:
-    "`precision` as one of `PRECISIONS` (None means 'fp32'), or an error naming the choices"
-    p = 'fp32' if precision is None else str(precision).lower()
+    "`precision` as one of `PRECISIONS` (None means `DEFAULT_PRECISION`), or an error naming the choices"
+    p = DEFAULT_PRECISION if precision is None else str(precision).lower()
     if p in PRECISIONS: return p
-    hint = f" (did you mean {_OLD_PRECISIONS[p]}?)" if p in _OLD_PRECISIONS else ''
+    hint = f" (did you mean {_AMBIGUOUS[p]}?)" if p in _AMBIGUOUS else ''
     raise ValueError(f"precision={precision!r} is not one of {', '.join(map(repr, PRECISIONS))}{hint}")
+
+def precision_for(dtype) -> str:
+    "The precision that trains in number format `dtype` ('bf16', torch.float16...): autocast for a half type"
+    name = dtype_name(as_dtype(dtype))
+    if name not in _TRAINS_IN:
+        raise ValueError(f"no precision trains in {name}: {', '.join(_TRAINS_IN)} have one")
+    return _TRAINS_IN[name]
 
 def autocast(device, precision) -> contextlib.AbstractContextManager:
     "The autocast context `precision` trains under on `device` (a no-op for fp32 and true-precision training)"
-    dt = PRECISIONS[check_precision(precision)][5]
+    dt = PRECISIONS[check_precision(precision)].autocast
     return contextlib.nullcontext() if dt is None else torch.autocast(torch.device(device).type, dtype=dt)
 
 # %% ../../nbs/00_core.utils.ipynb #8e5197bb

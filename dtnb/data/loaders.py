@@ -146,7 +146,7 @@ def stop_workers(it, loader=None):
 HAS_IN_ORDER = 'in_order' in inspect.signature(DataLoader.__init__).parameters  # torch >= 2.6
 
 def _dataloader(loader) -> DataLoader:
-    "The DataLoader inside `loader` (itself, or the one a wrapper such as dtnb.parallel.ddp's `DistributedLoader` holds)"
+    "The DataLoader inside `loader`: itself, or the one a wrapper (e.g. `DistributedLoader`) holds"
     dl = loader if isinstance(loader, DataLoader) else getattr(loader, 'loader', None)
     if not isinstance(dl, DataLoader):
         raise TypeError("expected a torch DataLoader (or a wrapper holding one as .loader), "

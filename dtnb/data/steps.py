@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 from ..core.utils import md_table, text_table, progress_bar, to_device, default_device, synchronize
 from .loaders import guarded_loader, stop_workers, sample_error, empty_loader_error
+from ..core.dist import dist_or_none, rank_world
 
 # %% auto #0
 __all__ = ['StepTimer', 'StepProfile', 'RankStepProfiles', 'gather_step_profiles', 'input_bound']
@@ -168,8 +169,8 @@ class RankStepProfiles:
 
 def gather_step_profiles(profile:StepProfile, group=None) -> RankStepProfiles:
     "Every rank's `profile` (a collective: call it on all ranks), each tagged with its rank"
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
+    dist = dist_or_none()
+    if dist is None:
         return RankStepProfiles([StepProfile(**{**asdict(profile), 'rank': 0})])
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, asdict(profile), group=group)
@@ -204,7 +205,5 @@ def input_bound(train_step,                   # train_step(batch): forward, back
         batches.close()  # a failing step stops the workers now, not when its traceback is freed
         if bar is not None: bar.close()
     p = timer.profile(warmup, threshold)
-    if gather is None:
-        import torch.distributed as dist
-        gather = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if gather is None: gather = rank_world()[1] > 1
     return gather_step_profiles(p) if gather else p

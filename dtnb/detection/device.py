@@ -85,7 +85,8 @@ def _torch_cuda_facts(torch) -> dict:
     return dict(devices=devs, p2p=p2p)
 
 # %% ../../nbs/01a_detection.device.ipynb #65905a6d
-_CHILD = "import json, torch; from dtnb.detection.device import _torch_cuda_facts; print(json.dumps(_torch_cuda_facts(torch)))"
+_CHILD = ("import json, torch; from dtnb.detection.device import _torch_cuda_facts; "
+          "print(json.dumps(_torch_cuda_facts(torch)))")
 _child_facts = {}  # (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER) -> facts: device properties do not change
 
 def _child_cuda_facts(timeout:float=120) -> dict:

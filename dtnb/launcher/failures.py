@@ -9,7 +9,7 @@ from __future__ import annotations
 import os, re
 
 # %% auto #0
-__all__ = ['LaunchError']
+__all__ = ['LaunchError', 'report_failure']
 
 # %% ../../nbs/02_launcher.failures.ipynb #26d10afa
 class LaunchError(RuntimeError):
@@ -41,7 +41,7 @@ def _waiting_in(stack:str) -> str|None:
     return None
 
 # %% ../../nbs/02_launcher.failures.ipynb #77fa57ac
-def _report(procs, tmp, out, hung, timeout, exited):
+def report_failure(procs, tmp, out, hung, timeout, exited):
     "Raise a LaunchError that names the failed and hung ranks, with their tracebacks or stacks"
     failed = {}
     for r, p in enumerate(procs):

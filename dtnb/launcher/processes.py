@@ -12,14 +12,14 @@ import multiprocessing as mp
 from multiprocessing.connection import wait as _wait
 from ..detection.device import usable_cores
 from ..detection.env import parse_launch_env, LaunchEnvError
-from .failures import LaunchError, _report
+from .failures import LaunchError, report_failure
 from .network import prepare_network, start_peer_watch, stop_peer_watch
 from ..core.utils import accelerators, cpu_pinned
+from ..core.dist import current_device, too_many_ranks, barrier
 
 # %% auto #0
-__all__ = ['BACKENDS', 'default_backend', 'check_backend', 'current_device', 'RendezvousError', 'init_distributed', 'rank',
-           'world_size', 'local_rank', 'is_main', 'barrier', 'rank0_first', 'shutdown', 'free_port', 'check_port',
-           'launch']
+__all__ = ['BACKENDS', 'default_backend', 'check_backend', 'RendezvousError', 'init_distributed', 'shutdown', 'free_port',
+           'check_port', 'check_launch_args', 'cpu_oversubscription', 'launch']
 
 # %% ../../nbs/02a_launcher.processes.ipynb #99c2e697
 BACKENDS = {'gloo': 'CPU tensors (and GPUs, slowly)', 'nccl': 'NVIDIA GPUs', 'xccl': 'Intel GPUs',
@@ -42,23 +42,6 @@ def check_backend(backend:str|None) -> str:
         raise ValueError(f"Backend {b!r} is not available in this torch build; "
                          f"available here: {', '.join(have) or 'none'}")
     return b
-
-# %% ../../nbs/02a_launcher.processes.ipynb #20c1a28a
-def _oversubscribed(nprocs, n, acc) -> str:
-    return (f"{nprocs} ranks on this node but {n} {acc} device{'s' * (n != 1)}: each rank needs its own (NCCL refuses "
-            f"two ranks on one GPU). Run nprocs={n} (torchrun --nproc-per-node={n}), or CPU ranks: "
-            "launch(..., backend='gloo', device='cpu'), or DTNB_DEVICE=cpu with backend 'gloo' under torchrun")
-
-def current_device():
-    "This rank's device: the CPU under `DTNB_DEVICE=cpu`, else the accelerator at index `LOCAL_RANK`, else the CPU"
-    import torch
-    acc, n = accelerators()  # (None, 0) under DTNB_DEVICE=cpu
-    if acc is None: return torch.device('cpu')
-    if acc == 'mps': return torch.device('mps')
-    le = parse_launch_env()
-    ranks = le.local_rank + 1 if le.launcher == 'env' else le.local_world_size  # plain env:// has no local size
-    if ranks > n: raise ValueError(_oversubscribed(ranks, n, acc))
-    return torch.device(acc, le.local_rank)
 
 # %% ../../nbs/02a_launcher.processes.ipynb #7815ac65
 class RendezvousError(TimeoutError):
@@ -126,40 +109,6 @@ def init_distributed(backend:str|None=None, # 'gloo', 'nccl', ...; default from 
                             timeout=datetime.timedelta(seconds=timeout), **kw)
     atexit.register(shutdown)
     return dist.group.WORLD
-
-# %% ../../nbs/02a_launcher.processes.ipynb #d20964f1
-def rank() -> int:
-    "This process's global rank (0 when not distributed)"
-    import torch.distributed as dist
-    return dist.get_rank() if dist.is_initialized() else parse_launch_env().rank
-
-def world_size() -> int:
-    "Number of ranks in the job (1 when not distributed)"
-    import torch.distributed as dist
-    return dist.get_world_size() if dist.is_initialized() else parse_launch_env().world_size
-
-def local_rank() -> int:
-    "This process's rank on its node"
-    return parse_launch_env().local_rank
-
-def is_main() -> bool:
-    "True on global rank 0: the rank that logs, saves and downloads"
-    return rank() == 0
-
-def barrier():
-    "Wait for every rank (no-op when not distributed)"
-    import torch.distributed as dist
-    if dist.is_initialized() and dist.get_world_size() > 1: dist.barrier()
-
-# %% ../../nbs/02a_launcher.processes.ipynb #659a47b6
-@contextlib.contextmanager
-def rank0_first(local:bool=False): # `local=True`: local rank 0 of each node goes first (a per-node download)
-    "Run the body on rank 0 first, then on the other ranks: download or preprocess once, read everywhere"
-    first = local_rank() == 0 if local else is_main()
-    if not first: barrier()
-    try: yield
-    finally:
-        if first: barrier()
 
 # %% ../../nbs/02a_launcher.processes.ipynb #df3da257
 def shutdown():
@@ -283,7 +232,7 @@ def _start_method(start_method):
     return start_method
 
 # %% ../../nbs/02a_launcher.processes.ipynb #7b714079
-def _check_args(fn, nprocs):
+def check_launch_args(fn, nprocs):
     import torch.distributed as dist
     if not callable(fn):
         raise TypeError(f"launch() needs a function to run on each rank; got {fn!r} ({type(fn).__name__})")
@@ -306,7 +255,7 @@ def _placement(nprocs, backend, device):
         if backend not in (None, 'gloo'):
             raise ValueError(f"CPU ranks ({how}) need backend='gloo', not {backend!r}")
         return 'gloo', 'cpu'
-    if acc not in (None, 'mps') and nprocs > n: raise ValueError(_oversubscribed(nprocs, n, acc))
+    if acc not in (None, 'mps') and nprocs > n: raise ValueError(too_many_ranks(nprocs, n, acc))
     return backend, None
 
 def _threads_per_rank(nprocs, threads, method):
@@ -315,7 +264,7 @@ def _threads_per_rank(nprocs, threads, method):
         n = 1  # a forked child's first multi-threaded op can deadlock on the parent's OpenMP pool
     return n
 
-def _cpu_oversubscription(nprocs, threads, cores) -> str|None:
+def cpu_oversubscription(nprocs, threads, cores) -> str|None:
     "Why `nprocs` ranks of `threads` torch threads each (None: cores ÷ ranks) oversubscribe `cores` cores, or None"
     if nprocs > cores:
         return (f"launch(nprocs={nprocs}) starts {nprocs} ranks on {cores} CPU core{'s' * (cores != 1)}: the ranks "
@@ -339,7 +288,8 @@ def _start(fn, args, kwargs, nprocs, method, threads, backend, port, env, tmp, p
     if port is None: base['DTNB_STORE'] = os.path.join(tmp, 'store')
     else: base.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
     # spawned ranks import the entry point by name, so it must come from the package, not from a notebook
-    target = _rank_main if method == 'fork' else __import__('dtnb.launcher.processes', fromlist=['_rank_main'])._rank_main
+    target = _rank_main
+    if method != 'fork': from dtnb.launcher.processes import _rank_main as target  # this module's own
     procs, fds = [], {}
     for r in range(nprocs):
         rconn, wconn = ctx.Pipe(duplex=False)  # a Connection travels to spawned children too; we use its raw fd
@@ -404,7 +354,7 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
            env:dict|None=None,       # extra environment variables for the ranks
            **kwargs):
     "Run `fn(*args, **kwargs)` on `nprocs` local ranks with the process group initialised; return results in rank order"
-    _check_args(fn, nprocs)
+    check_launch_args(fn, nprocs)
     acc, n = accelerators()
     if nprocs is None: nprocs = n if acc not in (None, 'mps') else 2
     backend, device = _placement(nprocs, backend, device)
@@ -412,7 +362,7 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
     if device: env = {**(env or {}), 'DTNB_DEVICE': device}
     method = _start_method(start_method)
     if port is not None: check_port(port)
-    if (why := _cpu_oversubscription(nprocs, threads, usable_cores())): warnings.warn(why, stacklevel=2)
+    if (why := cpu_oversubscription(nprocs, threads, usable_cores())): warnings.warn(why, stacklevel=2)
     pg_timeout = 600 if timeout is None else timeout + 60  # launch's own timeout reports first, with stacks
     tmp = tempfile.mkdtemp(prefix='dtnb-launch-')
     procs, out = [], _Output(prefix)
@@ -425,7 +375,7 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
         exited = [p.exitcode for p in procs]  # before we stop anyone: who ended by itself, and how
         if hung or any(c != 0 for c in exited):
             _stop(procs)
-            raise _report(procs, tmp, out, hung, timeout, exited)
+            raise report_failure(procs, tmp, out, hung, timeout, exited)
         return [_load(os.path.join(tmp, f'result_{r}.pkl')) for r in range(nprocs)]
     except KeyboardInterrupt:
         _stop(procs)

@@ -8,7 +8,7 @@ Docs: https://dtnb-dev.github.io/dtnb/launcher.torchrun.html.md"""
 from __future__ import annotations
 import os, sys, socket, ipaddress, warnings
 from ..detection.device import usable_cores
-from .processes import free_port, _check_args, _cpu_oversubscription
+from .processes import free_port, check_launch_args, cpu_oversubscription
 from ..core.utils import accelerators
 from .network import prepare_network, route_to
 
@@ -58,8 +58,8 @@ _RDZV_OPTS = ('--standalone', '--rdzv-endpoint', '--rdzv_endpoint', '--master-ad
 
 def torchrun_command(nprocs:int, script:str, script_args=(), torchrun_args=()) -> tuple[list, dict]:
     "The torchrun command line and extra environment for `dtnb launch -n nprocs script ...`"
-    _check_args(print, nprocs)
-    if accelerators()[0] is None and (why := _cpu_oversubscription(nprocs, None, usable_cores())):
+    check_launch_args(print, nprocs)
+    if accelerators()[0] is None and (why := cpu_oversubscription(nprocs, None, usable_cores())):
         warnings.warn(why.replace(f"launch(nprocs={nprocs})", f"dtnb launch -n {nprocs}").replace(
             f"Use nprocs=", "Use -n "), stacklevel=2)
     cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc-per-node={nprocs}', *torchrun_args]

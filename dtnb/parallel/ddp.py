@@ -6,18 +6,15 @@ Docs: https://dtnb-dev.github.io/dtnb/parallel.ddp.html.md"""
 
 # %% ../../nbs/03_parallel.ddp.ipynb #65f7cdb5
 from __future__ import annotations
-import importlib, warnings
+import warnings
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from ..launcher.processes import rank as _rank, world_size, current_device
-from ..core.utils import require_group
-from ..core.models import find_blocks
+from ..core.dist import rank as _rank, world_size, current_device, require_group
 
 # %% auto #0
-__all__ = ['SYNC_BATCHNORM_DEVICES', 'STRATEGIES', 'OFFLOADABLE', 'SHARDED', 'DistributedLoader', 'distributed_loader',
-           'batchnorm_layers', 'prepare_batchnorm', 'wrap', 'apply_single', 'apply_ddp', 'apply_zero1',
-           'make_optimizer', 'apply_checkpointing']
+__all__ = ['SYNC_BATCHNORM_DEVICES', 'DistributedLoader', 'distributed_loader', 'batchnorm_layers', 'prepare_batchnorm',
+           'apply_single', 'apply_ddp', 'apply_zero1', 'make_optimizer']
 
 # %% ../../nbs/03_parallel.ddp.ipynb #29e9eced
 class DistributedLoader:
@@ -114,43 +111,6 @@ def prepare_batchnorm(model:nn.Module, strategy:str, options:dict) -> nn.Module:
                       stacklevel=3)
     return model
 
-# %% ../../nbs/03_parallel.ddp.ipynb #0ca1562e
-STRATEGIES = {  # name: 'module:function' applying it
-    'single': 'dtnb.parallel.ddp:apply_single',
-    'ddp': 'dtnb.parallel.ddp:apply_ddp',
-    'zero1': 'dtnb.parallel.ddp:apply_zero1',      # DDP; `make_optimizer` gives the ZeroRedundancyOptimizer
-    'zero2': 'dtnb.parallel.fsdp:apply_zero2',     # fully_shard(reshard_after_forward=False)
-    'zero3': 'dtnb.parallel.fsdp:apply_fsdp',      # fully_shard
-    'fsdp': 'dtnb.parallel.fsdp:apply_fsdp',       # the same as 'zero3'
-    'pipeline': 'dtnb.parallel.pipeline:apply_pipeline',  # needs loss_fn=...; returns a Pipeline that `fit` drives
-}
-OFFLOADABLE = ('zero3', 'fsdp')  # FSDP2's CPUOffloadPolicy offloads parameters, gradients and optimizer state at once
-SHARDED = ('zero2', 'zero3', 'fsdp')  # strategies whose units are blocks
-
-def wrap(model:nn.Module, strategy:str='ddp',
-         checkpoint:bool=False,  # recompute each block's activations in the backward (activation checkpointing)
-         offload:bool=False,     # keep model states in host memory ('zero3'/'fsdp')
-         layer_cls=None,         # the block class(es) or name(s), for FSDP's units and checkpointing; default: found
-         **options) -> nn.Module:
-    "Apply a parallel `strategy` (a name in `STRATEGIES`) to `model` from the outside; returns the model to train"
-    if strategy not in STRATEGIES:
-        raise ValueError(f"Unknown strategy {strategy!r}: choose one of {', '.join(map(repr, STRATEGIES))}")
-    model = prepare_batchnorm(model, strategy, options)  # pops sync_batchnorm=; warns about per-rank statistics
-    if offload and strategy not in OFFLOADABLE:
-        raise ValueError(f"offload=True runs with 'zero3' (FSDP2's CPUOffloadPolicy moves parameters, gradients and "
-                         f"optimizer state to host memory together), not {strategy!r}: use wrap(model, 'zero3', "
-                         "offload=True)")
-    if layer_cls is not None and not checkpoint and strategy not in SHARDED:
-        raise ValueError(f"layer_cls names the blocks FSDP shards and checkpointing recomputes; {strategy!r} without "
-                         "checkpoint=True has none: leave it out, or add checkpoint=True")
-    if checkpoint: apply_checkpointing(model, layer_cls)  # on the plain blocks, before any wrapper
-    if strategy in SHARDED: options['layer_cls'] = layer_cls
-    if offload: options['cpu_offload'] = True
-    mod, fn = STRATEGIES[strategy].split(':')
-    model = getattr(importlib.import_module(mod), fn)(model, **options)
-    model._dtnb_strategy = strategy  # read by `make_optimizer`
-    return model
-
 # %% ../../nbs/03_parallel.ddp.ipynb #afe9cfde
 def apply_single(model:nn.Module, device=None) -> nn.Module:
     "No parallelism: the model on this process's device"
@@ -179,15 +139,3 @@ def make_optimizer(model:nn.Module, optimizer_class=torch.optim.AdamW, **kwargs)
     if getattr(model, '_dtnb_strategy', None) != 'zero1': return optimizer_class(params, **kwargs)
     from torch.distributed.optim import ZeroRedundancyOptimizer
     return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
-
-# %% ../../nbs/03_parallel.ddp.ipynb #e8e40d13
-def apply_checkpointing(model:nn.Module, layer_cls=None) -> list[str]:
-    "Checkpoint each block of `model` (`find_blocks`, or the `layer_cls` modules) in place; returns their names"
-    from torch.distributed._composable import checkpoint
-    names = find_blocks(model, layer_cls)
-    if not names:
-        raise ValueError(f"checkpoint=True recomputes each block, but {type(model).__name__} has no blocks that "
-                         "find_blocks recognises (repeated modules in an nn.ModuleList or nn.Sequential): "
-                         "pass layer_cls=<the block class or its name>")
-    for n in names: checkpoint(model.get_submodule(n))
-    return names

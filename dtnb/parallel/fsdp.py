@@ -10,8 +10,8 @@ import weakref, warnings
 from dataclasses import dataclass, asdict
 import torch
 from torch import nn
-from ..core.utils import md_table, text_table, accelerator_type, require_group, shard_numel, as_dtype
-from ..launcher.processes import world_size, current_device, rank
+from ..core.utils import md_table, text_table, accelerator_type, shard_numel, as_dtype
+from ..core.dist import require_group, world_size, current_device, rank
 from ..core.models import find_blocks
 
 # %% auto #0

@@ -10,13 +10,13 @@ import time, functools
 from collections.abc import Mapping
 import torch
 from torch import nn
-from ..core.utils import require_group, synchronize, broadcast_from_rank0
-from ..launcher.processes import current_device
-from .pipeline_split import PipelineSplit, split_model, stage_module, chain_problem, trace_stages, _logits
+from ..core.utils import synchronize
+from ..core.dist import require_group, broadcast_from_rank0, current_device
+from .pipeline_split import PipelineSplit, split_model, stage_module, chain_problem, trace_stages, output_logits
 from .pipeline_schedules import SCHEDULES, schedule_name, schedule_order, stage_ranks, PipelineTimeline
 
 # %% auto #0
-__all__ = ['causal_lm_loss', 'Pipeline', 'pipeline_stages', 'apply_pipeline']
+__all__ = ['step_batch', 'causal_lm_loss', 'Pipeline', 'pipeline_stages', 'apply_pipeline']
 
 # %% ../../nbs/03d_parallel.pipeline.ipynb #eae87eb5
 @functools.cache
@@ -91,7 +91,7 @@ def _check_loss_fn(loss_fn):
                          "causal LM. A model's own loss (model(input_ids, labels=...).loss) needs the labels inside "
                          "its forward, which the pipeline cuts into stages")
 
-def _batch(inputs, targets):
+def step_batch(inputs, targets):
     "(inputs, targets) from `step`'s arguments: a dict batch gives its 'input_ids' and 'labels'"
     if not isinstance(inputs, Mapping):
         if targets is None: raise ValueError("step(inputs, targets): the last stage computes loss_fn(output, targets): "
@@ -150,7 +150,7 @@ class Pipeline:
     def _loss(self, output, target):
         "`loss_fn` on what the model returns (its logits, for a Hugging Face-style output)"
         if self.trace is not None: output = self.trace.output(output)
-        return self.loss_fn(_logits(output), target)
+        return self.loss_fn(output_logits(output), target)
     def _tied_copies(self) -> list:
         "[(shape, this rank's copies, whether they are the first stage's), ...] of parameters the tracer copied"
         mods = dict(zip(self.stage_indices, map(_unwrap, self.modules)))
@@ -180,7 +180,7 @@ class Pipeline:
 
     def _run(self, inputs, targets, train):
         import torch.distributed as dist
-        inputs, targets = _batch(inputs, targets)
+        inputs, targets = step_batch(inputs, targets)
         xs, m = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), self.n_microbatches
         b = xs[0].shape[0]
         if b % m:

@@ -15,7 +15,7 @@ from ..core.models import find_blocks
 
 # %% auto #0
 __all__ = ['pipeline_units', 'Skip', 'stage_module', 'balance_bounds', 'unit_times', 'PipelineSplit', 'split_model',
-           'chain_problem', 'check_split', 'TracedStages', 'trace_stages']
+           'output_logits', 'chain_problem', 'check_split', 'TracedStages', 'trace_stages']
 
 # %% ../../nbs/03b_parallel.pipeline_split.ipynb #80c754c3
 def _as_tuple(x): return tuple(x) if isinstance(x, (tuple, list)) else (x,)
@@ -260,10 +260,10 @@ def _stages_differ(model, split, example, atol) -> str|None:
     return f"max difference {d:.3g}" if d > atol else None
 
 def _max_diff(a, b):
-    a, b = _as_tuple(_logits(a)), _as_tuple(_logits(b))
+    a, b = _as_tuple(output_logits(a)), _as_tuple(output_logits(b))
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True) if torch.is_tensor(x))
 
-def _logits(out):
+def output_logits(out):
     "The logits of a Hugging Face-style output (`.logits`, or a dict's 'logits'); any other output as it is"
     if isinstance(out, dict) and 'logits' in out: return out['logits']
     return out if torch.is_tensor(out) or not hasattr(out, 'logits') else out.logits

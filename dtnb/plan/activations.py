@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib, inspect
 from dataclasses import dataclass
 import torch
-from ..core.utils import PRECISIONS, check_precision, tree_map_tensors, tensors, autocast, cast_inputs
+from ..core.utils import PRECISIONS, DEFAULT_PRECISION, check_precision, tree_map_tensors, tensors, autocast
+from ..core.utils import cast_inputs
 from ..core.models import find_blocks
 
 # %% auto #0
@@ -44,7 +45,8 @@ class ActivationTrace:
     units: int         # units found
     fake: bool = True  # traced under FakeTensorMode (True) or measured on real tensors
 
-    def bytes(self, checkpoint:bool=False) -> int: return self.checkpointed if checkpoint else self.saved
+    def bytes(self, activation_checkpointing:bool=False) -> int:
+        return self.checkpointed if activation_checkpointing else self.saved
 
 # %% ../../nbs/04_plan.activations.ipynb #177effce
 def _sid(t): return t.untyped_storage()._cdata  # one id per storage: views of a tensor share it
@@ -105,7 +107,7 @@ def _prepare(model, batch, precision, fake):
     "Parameters, buffers and batch for the traced forward: fake (no memory) or real, cast for pure half precision"
     from torch._subclasses.fake_tensor import FakeTensorMode
     mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else contextlib.nullcontext()
-    conv, cast = _fake(mode, fake), PRECISIONS[precision][0] == 2  # parameters themselves are half: cast them too
+    conv, cast = _fake(mode, fake), PRECISIONS[precision].params == 2  # parameters themselves are half: cast them too
     def half(t):
         if cast and t.is_floating_point():
             with mode: t = t.to(torch.bfloat16)
@@ -122,8 +124,8 @@ def _prepare(model, batch, precision, fake):
 def trace_activations(model, # an `nn.Module`; it is not changed, and nothing of its size is allocated
                       batch, # an example batch per device: tensor, tuple (last item the target with `loss_fn`) or dict
                       loss_fn=None, # `loss_fn(output, target)`; without it the output is the end of the graph
-                      precision:str='fp32', # a name in `dtnb.core.utils.PRECISIONS`: 'fp32', 'bf16-mixed', 'bf16-true', ...
-                      units=None, # module classes (or names) to checkpoint; default: `find_blocks(model)`
+                      precision:str=DEFAULT_PRECISION, # a name of `PRECISIONS`: 'fp32', 'bf16-mixed', 'bf16-true', ...
+                      units=None, # module classes (or names) to recompute; default: `find_blocks(model)`
                       fake:bool=True, # trace under FakeTensorMode (no memory); False runs the real forward
                      ) -> ActivationTrace:
     "Bytes of activations the forward of `model` on `batch` keeps for backward, traced without allocating them"

@@ -10,10 +10,11 @@ import gc, copy
 from dataclasses import dataclass, asdict, field
 import torch
 from ..core.utils import tree_map_tensors, tensors, autocast, synchronize, parse_size, fmt_bytes, md_table, text_table
-from ..core.utils import accelerators, cast_inputs
+from ..core.utils import accelerators, cast_inputs, DEFAULT_PRECISION
 from ..detection.device import detect
 from .activations import forward_batch
-from .memory import check_setup, estimate_memory, _device_memory
+from .memory import check_setup, estimate_memory
+from .recommend import device_memory
 
 # %% auto #0
 __all__ = ['batch_of', 'BatchSize', 'find_batch_size']
@@ -105,14 +106,14 @@ def _estimate_path(model, sample, est_kw, budget, max_batch):
 # %% ../../nbs/04d_plan.batch_size.ipynb #7c4bc543
 def _step_bytes(model, opt, sample, n, dev, precision, loss_fn):
     "Peak bytes allocated by one training step on a batch of `n` on `dev`, or None when it ran out of memory"
-    from dtnb.plan.measure import _loss
+    from dtnb.plan.measure import loss_of
     acc, batch, loss = torch.accelerator, None, None
     try:
         batch = batch_of(sample, n, dev)
         if precision == 'bf16-true':
             batch = cast_inputs(batch, torch.bfloat16)  # as fit feeds a bf16 model: targets keep their dtype
         synchronize(dev); acc.reset_peak_memory_stats()
-        with autocast(dev, precision): loss = _loss(forward_batch(model, batch, loss_fn))
+        with autocast(dev, precision): loss = loss_of(forward_batch(model, batch, loss_fn))
         loss.backward(); opt.step()
         synchronize(dev)
         return acc.max_memory_allocated()
@@ -127,12 +128,12 @@ def _step_bytes(model, opt, sample, n, dev, precision, loss_fn):
 
 def _try_path(model, sample, optimizer, precision, loss_fn, budget, max_batch, guess):
     "(largest batch, first not fitting, checks, bytes) from real steps on this process's accelerator"
-    from dtnb.plan.measure import _make_optimizer
-    from dtnb.launcher.processes import current_device
+    from dtnb.plan.measure import named_optimizer
+    from dtnb.core.dist import current_device
     dev = current_device()
     m = copy.deepcopy(model).to(dev)
     if precision == 'bf16-true': m = m.to(torch.bfloat16)
-    opt, checks, peak = _make_optimizer(m, optimizer, 1e-6), [], {}
+    opt, checks, peak = named_optimizer(m, optimizer, 1e-6), [], {}
     def fits(n):
         peak[n] = _step_bytes(m, opt, sample, n, dev, precision, loss_fn)
         ok = peak[n] is not None and (budget is None or peak[n] <= budget)
@@ -164,10 +165,10 @@ def find_batch_size(model,                  # the nn.Module to train (not change
                     strategy:str='single',  # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp')
                     world_size:int=1,       # devices the model is trained on
                     optimizer:str='adamw',
-                    precision:str='fp32',   # 'fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true'
+                    precision:str=DEFAULT_PRECISION,   # 'fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true'
                     loss_fn=None,           # loss_fn(output, target) with (x, y) samples; else the output is summed
                     memory=None,            # bytes per device (or '64MB'); default: accelerator, else RAM ÷ ranks
-                    checkpoint:bool=False,  # activation checkpointing of each block (estimate)
+                    activation_checkpointing:bool=False,  # activation checkpointing of each block (estimate)
                     units=None,             # the model's blocks (default: find_blocks)
                     max_batch:int=65536,    # largest batch considered
                     method:str|None=None,   # 'estimate', 'try'; default: try on an accelerator for one device
@@ -178,15 +179,15 @@ def find_batch_size(model,                  # the nn.Module to train (not change
         raise ValueError(f"max_batch={max_batch!r} must be a whole number >= 1")
     sample, (how, note) = _check_sample(sample), _method(method, s, world_size)
     est_kw = dict(strategy=s, world_size=world_size, optimizer=optimizer, precision=precision, loss_fn=loss_fn,
-                  checkpoint=checkpoint, units=units)
+                  activation_checkpointing=activation_checkpointing, units=units)
     setup = f"{s} on {world_size} device{'s' * (world_size > 1)}, {optimizer}, {precision}" + \
-            ', checkpointed' * checkpoint
+            ', checkpointed' * activation_checkpointing
     if memory is not None: budget, src = parse_size(memory), 'memory='
     elif how == 'try': budget, src = None, "the accelerator's memory, by running out of it"
     else:
-        budget, src = _device_memory(detect(), world_size)
+        budget, src = device_memory(detect(), world_size)
         if budget is None: raise ValueError("Cannot tell this machine's memory: pass memory= (bytes or '16GB')")
-    guess_budget = budget or _device_memory(detect(), 1)[0]  # trying starts from the estimate's guess
+    guess_budget = budget or device_memory(detect(), 1)[0]  # trying starts from the estimate's guess
     best, nxt, checks, total = _estimate_path(model, sample, est_kw, guess_budget, max_batch) if guess_budget else \
         (None, None, [], {})
     if how == 'estimate':
@@ -194,7 +195,7 @@ def find_batch_size(model,                  # the nn.Module to train (not change
             states = estimate_memory(model, **{**est_kw, 'loss_fn': None}).model_states
             note = (f"nothing fits: one sample needs {fmt_bytes(total[1])} of {fmt_bytes(budget)} (model states "
                     f"alone take {fmt_bytes(states)}): shard them (strategy='zero3' on more devices), "
-                    "checkpoint=True, a lower precision, or see recommend(model)")
+                    "activation_checkpointing=True, a lower precision, or see recommend(model)")
         return BatchSize(best, 'estimate', budget, src, total.get(best), nxt, total.get(nxt), checks, setup, note)
     best, nxt, checks, peak = _try_path(model, sample, optimizer, precision, loss_fn, budget, max_batch, best)
     return BatchSize(best, 'tried', budget, src, peak.get(best), nxt, peak.get(nxt), checks, setup, note)

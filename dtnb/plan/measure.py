@@ -11,15 +11,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from ..core.utils import tensors, to_device, autocast, synchronize, md_table, text_table, cast_inputs
-from ..launcher.processes import launch, current_device
-from ..parallel.ddp import wrap, make_optimizer
+from ..core.utils import DEFAULT_PRECISION
+from ..launcher.processes import launch
+from ..core.dist import current_device, rank_world
+from ..parallel.ddp import make_optimizer
+from ..parallel.wrap import wrap
 from .activations import SavedCounter, forward_batch, trace_activations
 from .memory import check_setup, estimate_memory
-from ..parallel.pipeline import apply_pipeline, _batch
-from ..parallel.pipeline_split import _logits
+from ..parallel.pipeline import apply_pipeline, step_batch
+from ..parallel.pipeline_split import output_logits
 
 # %% auto #0
-__all__ = ['MEASURABLE', 'MemoryMeasurement', 'measure_memory']
+__all__ = ['MEASURABLE', 'named_optimizer', 'loss_of', 'MemoryMeasurement', 'measure_memory']
 
 # %% ../../nbs/04c_plan.measure.ipynb #502f4796
 MEASURABLE = ('single', 'ddp', 'zero1', 'zero2', 'zero3', 'pipeline')  # run on torch's implementations
@@ -36,7 +39,7 @@ def _storage_bytes(ts) -> int:
 _OPTIMIZERS = dict(sgd=(torch.optim.SGD, {}), momentum=(torch.optim.SGD, dict(momentum=0.9)),
                    adam=(torch.optim.Adam, {}), adamw=(torch.optim.AdamW, {}))
 
-def _make_optimizer(model, optimizer, lr):
+def named_optimizer(model, optimizer, lr):
     "The torch optimizer named `optimizer` for the wrapped `model` (ZeRO-1: sharded by `make_optimizer`)"
     cls, kw = _OPTIMIZERS[optimizer]
     return make_optimizer(model, cls, lr=lr, **kw)
@@ -46,7 +49,7 @@ def _apply_strategy(model, strategy, units):
     if strategy in ('zero2', 'zero3'): return wrap(model, strategy, layer_cls=units)
     return wrap(model, strategy)
 
-def _loss(out):
+def loss_of(out):
     "A scalar to call backward on: the output itself, its `.loss`, or the sum of the first tensor"
     out = out.get('loss', out) if isinstance(out, dict) else getattr(out, 'loss', out)  # HF outputs are dicts too
     out = out if isinstance(out, torch.Tensor) else tensors(out)[0]
@@ -63,18 +66,18 @@ def _measure_step(model, batch, strategy, optimizer, precision, loss_fn, units, 
         batch = cast_inputs(batch, torch.bfloat16)  # as fit feeds a bf16 model: targets keep their dtype
     if strategy == 'pipeline': return _measure_pipeline(model, batch, optimizer, loss_fn, lr, dev, acc and m0)
     model = _apply_strategy(model, strategy, units)
-    opt = _make_optimizer(model, optimizer, lr)
+    opt = named_optimizer(model, optimizer, lr)
     batch = to_device(batch, dev)
     if acc: m1 = acc.memory_allocated()
     local = [p.to_local() if hasattr(p, 'to_local') else p for p in [*model.parameters(), *model.buffers()]]
     with autocast(dev, precision), SavedCounter(model, units, {t.untyped_storage()._cdata for t in local}) as counter:
-        loss = _loss(forward_batch(model, batch, loss_fn))
+        loss = loss_of(forward_batch(model, batch, loss_fn))
     saved = counter.result(exclude=list(model.parameters())).saved  # FSDP may keep the root's gathered parameters
     acts = acc.memory_allocated() - m1 if acc else saved
     loss.backward(); opt.step()
     held = getattr(opt, 'optim', opt)  # ZeRO-1: the local optimizer holds this rank's share of the state
     states = [v for st in held.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    out = dict(rank=dist.get_rank() if dist.is_initialized() else 0, device=str(dev),
+    out = dict(rank=rank_world()[0], device=str(dev),
                parameters=_storage_bytes([*model.parameters(), *model.buffers()]),
                gradients=_storage_bytes(p.grad for p in model.parameters()), optimizer_states=_storage_bytes(states),
                activations=acts, saved=saved, peak=None, temporary=None)
@@ -87,7 +90,7 @@ def _measure_step(model, batch, strategy, optimizer, precision, loss_fn, units, 
 # %% ../../nbs/04c_plan.measure.ipynb #1258b607
 def _pipeline_example(batch, world_size):
     "The microbatch of inputs `apply_pipeline` checks (and traces) the model on: 1/(2 × ranks) of the batch's inputs"
-    inputs, _ = _batch(batch, None) if isinstance(batch, dict) else _batch(*batch)
+    inputs, _ = step_batch(batch, None) if isinstance(batch, dict) else step_batch(*batch)
     return inputs[:len(inputs) // (2 * world_size)]  # its default: twice as many microbatches as ranks
 
 def _stage_bytes(pipe, opt) -> dict:
@@ -98,7 +101,7 @@ def _stage_bytes(pipe, opt) -> dict:
                 gradients=_storage_bytes(p.grad for m in ms for p in m.parameters()),
                 optimizer_states=_storage_bytes(states))
 
-def _logits_loss(loss_fn, out, target): return loss_fn(_logits(out), target)  # the pipeline's loss, on logits
+def _logits_loss(loss_fn, out, target): return loss_fn(output_logits(out), target)  # the pipeline's loss, on logits
 
 def _measure_pipeline(model, batch, optimizer, loss_fn, lr, dev, m0):
     "One 1F1B step of `model` cut by `apply_pipeline` over the ranks, one stage each; the bytes of this rank's stage"
@@ -151,7 +154,7 @@ def measure_memory(model, # the `nn.Module` to train one step (a copy is trained
                    strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp') or 'pipeline'
                    world_size:int=1, # ranks to launch (1: in this process)
                    optimizer:str='adamw',
-                   precision:str='fp32', # 'fp32', 'bf16-mixed', 'fp16-mixed' (autocast) or 'bf16-true'
+                   precision:str=DEFAULT_PRECISION, # 'fp32', 'bf16-mixed', 'fp16-mixed' (autocast) or 'bf16-true'
                    loss_fn=None, # `loss_fn(output, target)`; without it the output (or its `.loss`) is summed
                    units=None, # module classes to shard and checkpoint as units (default: `find_blocks`)
                    lr:float=1e-3, timeout:float|None=300, # seconds before the ranks are stopped

@@ -1,4 +1,4 @@
-"""How many bytes each device needs for each strategy, and which strategy fits.
+"""How many bytes each device needs for each strategy: parameters, gradients, optimizer states, activations.
 
 Docs: https://dtnb-dev.github.io/dtnb/plan.memory.html.md"""
 
@@ -7,16 +7,15 @@ Docs: https://dtnb-dev.github.io/dtnb/plan.memory.html.md"""
 # %% ../../nbs/04a_plan.memory.ipynb #b4312852
 from __future__ import annotations
 import math
-from dataclasses import dataclass, asdict, replace
-from ..core.utils import PRECISIONS, check_precision, shard_numel, fmt_bytes, md_table, text_table
+from dataclasses import dataclass, asdict
+from ..core.utils import PRECISIONS, DEFAULT_PRECISION, check_precision, shard_numel, fmt_bytes, md_table, text_table
 from ..core.models import find_blocks
 from .activations import ActivationTrace, trace_activations
-from ..parallel.pipeline_split import split_model, chain_problem, trace_stages, pipeline_units
+from ..parallel.pipeline_split import split_model, chain_problem, trace_stages
 
 # %% auto #0
 __all__ = ['OPTIMIZERS', 'ALIASES', 'SHARDS', 'optimizer_bytes', 'TransformerShape', 'ModelSizes', 'model_sizes',
-           'MemoryEstimate', 'check_setup', 'stage_sizes', 'estimate_memory', 'MemoryPlan', 'recommend',
-           'memory_explorer']
+           'MemoryEstimate', 'check_setup', 'stage_sizes', 'estimate_memory']
 
 # %% ../../nbs/04a_plan.memory.ipynb #33173573
 OPTIMIZERS = {'sgd': 0, 'momentum': 1, 'adam': 2, 'adamw': 2}  # optimizer state tensors per parameter
@@ -33,10 +32,10 @@ def _check_optimizer(optimizer):
         raise ValueError(f"optimizer={optimizer!r} is not one of {', '.join(map(repr, OPTIMIZERS))}")
     return v
 
-def optimizer_bytes(optimizer:str='adamw', precision:str='zero-mixed') -> int:
+def optimizer_bytes(optimizer:str='adamw', precision:str=DEFAULT_PRECISION) -> int:
     "Optimizer state bytes per parameter (ZeRO's K): fp32 master copy plus the optimizer's own states"
-    _, _, master, state, _, _ = PRECISIONS[check_precision(precision)]
-    return master + OPTIMIZERS[_check_optimizer(optimizer)] * state
+    p = PRECISIONS[check_precision(precision)]
+    return p.master + OPTIMIZERS[_check_optimizer(optimizer)] * p.optimizer_state
 
 # %% ../../nbs/04a_plan.memory.ipynb #031cde67
 @dataclass
@@ -59,12 +58,13 @@ class TransformerShape:
         s, b, h, a = self.seq_len, self.batch, self.hidden, self.heads
         return s * b * h * (16 * elem + 2) + a * s * s * b * (2 * elem + 1)
 
-    def activation_bytes(self, elem:int=2, checkpoint:bool=False) -> int:
-        "Bytes saved for backward by the whole model per device; `checkpoint` keeps only each layer's input"
+    def activation_bytes(self, elem:int=2, activation_checkpointing:bool=False) -> int:
+        "Bytes saved for backward by the whole model per device; `activation_checkpointing` keeps each layer's input"
         s, b, h = self.seq_len, self.batch, self.hidden
         layer = self.layer_activation_bytes(elem)
         # checkpointed: every layer's input, plus one layer recomputed in the backward (its input is already kept)
-        body = self.layers * elem * s * b * h + layer - elem * s * b * h if checkpoint else self.layers * layer
+        ac = activation_checkpointing
+        body = self.layers * elem * s * b * h + layer - elem * s * b * h if ac else self.layers * layer
         return body + 4 * s * b * self.vocab
 
 # %% ../../nbs/04a_plan.memory.ipynb #30c68950
@@ -128,7 +128,7 @@ class MemoryEstimate:
     activations: int|None        # None: not estimated (no batch, shape or activations given)
     temporary: int
     offloaded: int = 0           # bytes per rank moved to host memory by CPU offload
-    checkpoint: bool = False
+    activation_checkpointing: bool = False
     offload: bool = False
     activation_source: str = ''  # 'traced', 'formula', 'given' or 'not estimated'
     rank: int = 0
@@ -140,7 +140,8 @@ class MemoryEstimate:
     def total(self) -> int: return self.model_states + (self.activations or 0) + self.temporary
     @property
     def label(self) -> str:
-        return self.strategy + ' + checkpointing' * self.checkpoint + ' + offload' * self.offload
+        ac = ' + activation checkpointing' * self.activation_checkpointing
+        return self.strategy + ac + ' + offload' * self.offload
     @property
     def unknown(self) -> list:
         "What the total leaves out: activations not estimated, gathered units not known"
@@ -165,7 +166,7 @@ class MemoryEstimate:
                 ('gradients', self.gradients, sh('gradients') + off('gradients')),
                 ('optimizer states', self.optimizer_states, sh('optimizer') + off('optimizer')),
                 ('model states', self.model_states, ''),
-                ('activations', self.activations, act + ', checkpointed' * self.checkpoint),
+                ('activations', self.activations, act + ', checkpointed' * self.activation_checkpointing),
                 ('temporary buffers', self.temporary, tmp),
                 ('total', self.total, 'per device' + (f"; at least: {' and '.join(self.unknown)} not counted"
                                                       if self.unknown else '')),
@@ -205,21 +206,23 @@ def check_setup(strategy, world_size:int, optimizer:str, precision:str, offload:
     return s, _check_optimizer(optimizer), check_precision(precision)
 
 # %% ../../nbs/04a_plan.memory.ipynb #1e793cbe
-def _activations(model, sizes, batch, loss_fn, shape, activations, precision, checkpoint, units):
+def _activations(model, sizes, batch, loss_fn, shape, activations, precision, activation_checkpointing, units):
     "(bytes, source) of the activations from whatever was given"
-    if isinstance(activations, ActivationTrace): return activations.bytes(checkpoint), 'traced'
+    if isinstance(activations, ActivationTrace): return activations.bytes(activation_checkpointing), 'traced'
     if activations is not None: return int(activations), 'given'
     if batch is not None:
         if sizes is None:
             raise ValueError("batch= needs a model to trace; with a parameter count give shape=TransformerShape(...) "
                              "instead")
-        return trace_activations(model, batch, loss_fn, precision, units).bytes(checkpoint), 'traced'
-    if shape is not None: return shape.activation_bytes(PRECISIONS[precision][4], checkpoint), 'formula'
+        return trace_activations(model, batch, loss_fn, precision, units).bytes(activation_checkpointing), 'traced'
+    if shape is not None:
+        return shape.activation_bytes(PRECISIONS[precision].activations, activation_checkpointing), 'formula'
     return None, 'not estimated'
 
 def _temporary(strategy, optimizer, precision, params, trainable, unit, opt_elems):
     "Approximate bytes of (communication, optimizer) buffers that live only during the step (see the list above)"
-    _, gb, _, sb, cb, _ = PRECISIONS[precision]
+    p = PRECISIONS[precision]
+    gb, sb, cb = p.grads, p.optimizer_state, p.activations
     comm = dict(single=0, ddp=trainable * gb, zero1=0, zero2=(params + (unit or 0)) * cb,
                 zero3=3 * (unit or 0) * cb, pipeline=0)[strategy]  # a pipeline sends activations, not model states
     return comm, (opt_elems * sb if OPTIMIZERS[optimizer] == 2 else 0)
@@ -250,11 +253,11 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
                     strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp'), or 'pipeline'
                     world_size:int=1, # devices (ranks) the model is trained on; a pipeline's stages
                     optimizer:str='adamw', # 'sgd', 'momentum', 'adam' or 'adamw'
-                    precision:str='fp32', # 'fp32', 'bf16-mixed' (autocast), 'zero-mixed' (ZeRO's), 'bf16-true'...
+                    precision:str=DEFAULT_PRECISION, # 'fp32', 'bf16-mixed' (autocast), 'zero-mixed' (ZeRO's)...
                     batch=None, # example batch per device, to trace the activations (needs a model)
                     loss_fn=None, # loss for the traced batch: `loss_fn(output, target)`
                     shape:TransformerShape|None=None, # transformer shapes, for the activation formula
-                    checkpoint:bool=False, # activation checkpointing of each unit (layer)
+                    activation_checkpointing:bool=False, # activation checkpointing of each unit (layer)
                     offload:bool=False, # move the sharded model states to CPU memory
                     activations=None, # bytes, or an `ActivationTrace`, instead of tracing
                     units=None, # module classes (or names) that are the model's units (default: `find_blocks`)
@@ -275,7 +278,7 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
     if strategy == 'pipeline' and sizes: sizes = stage_sizes(model, world_size, rank, example)  # the stage's own
     trainable = sizes.trainable if sizes else psi
     p, g, o = _state_elements(sizes, psi, strategy, world_size, rank)
-    pb, gb = PRECISIONS[precision][:2]
+    pb, gb = PRECISIONS[precision].params, PRECISIONS[precision].grads
     adam_steps = sizes and OPTIMIZERS[optimizer] == 2  # torch's Adam: a 4-byte step per tensor it holds state for
     steps = 4 * _state_tensors(sizes, strategy, world_size, rank) if adam_steps else 0
     dev = dict(parameters=p * pb + (sizes.buffer_bytes if sizes else 0), gradients=g * gb,
@@ -284,193 +287,8 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
     comm, opt_tmp = _temporary(strategy, optimizer, precision, psi, trainable, unit, o)
     host = sum(dev[c] for c in SHARDS[strategy]) + opt_tmp if offload else 0
     if offload: dev |= {c: 0 for c in SHARDS[strategy]}
-    acts, src = _activations(model, sizes, batch, loss_fn, shape, activations, precision, checkpoint, units)
+    acts, src = _activations(model, sizes, batch, loss_fn, shape, activations, precision, activation_checkpointing,
+                             units)
     tmp = comm + (0 if offload else opt_tmp)
     return MemoryEstimate(strategy, world_size, optimizer, precision, psi, dev['parameters'], dev['gradients'],
-                          dev['optimizer'], acts, tmp, host, checkpoint, offload, src, rank, unit)
-
-# %% ../../nbs/04a_plan.memory.ipynb #57e94ad1
-def _ladder(ws, checkpoint=True):
-    "(strategy, checkpoint, offload) options in the order `recommend` tries them; `checkpoint`: try checkpointing"
-    cks = (False, True) if checkpoint else (False,)
-    offload = [('zero3', c, True) for c in cks]
-    if ws == 1: return [('single', c, False) for c in cks] + offload
-    return [(s, c, False) for c in cks for s in ('ddp', 'zero1', 'zero2', 'zero3')] + offload
-
-def _pipeline(model, stages:int, **kw) -> MemoryEstimate:
-    "A 1F1B pipeline over `stages` devices: its largest stage (one micro-batch's activations of the whole model)"
-    ranks = range(stages) if hasattr(model, 'parameters') else [0]  # a count or a shape: 1/stages on each
-    return max((estimate_memory(model, 'pipeline', stages, rank=r, **kw) for r in ranks), key=lambda e: e.total)
-
-def _device_memory(report, world_size):
-    "(bytes per rank, device name) from a DeviceReport: the first accelerator, else the RAM shared by the ranks"
-    if report.accelerators: d = report.accelerators[0]; return d.total_memory, d.name
-    cpu = report.devices[0]
-    if cpu.total_memory is None: return None, cpu.name
-    return cpu.total_memory // world_size, f"{cpu.name} RAM" + (f" shared by {world_size} ranks" * (world_size > 1))
-
-# %% ../../nbs/04a_plan.memory.ipynb #1dfac6a2
-@dataclass
-class MemoryPlan:
-    "The strategy that fits, why, and the estimates that led there"
-    strategy: str|None  # 'single', 'ddp', 'zero1', 'zero2', 'zero3', 'pipeline', or None when nothing fits
-    checkpoint: bool    # with activation checkpointing
-    offload: bool       # with CPU offload
-    reason: str
-    memory: int         # device memory per rank, bytes
-    budget: int         # usable bytes per device: memory less the margin
-    device: str
-    estimates: list     # MemoryEstimate of every option, in the order tried; the single-device check first
-    chosen: int|None    # index of the recommended estimate
-    margin: float = 0.1 # fraction of device memory kept free
-
-    @property
-    def label(self): return 'nothing fits' if self.strategy is None else self.estimates[self.chosen].label
-    @property
-    def wrap_kwargs(self) -> dict|None:
-        "What `wrap(model, **plan.wrap_kwargs)` needs to apply the plan (None when nothing fits)"
-        if self.strategy is None: return None
-        kw = dict(strategy=self.strategy)
-        if self.checkpoint: kw['checkpoint'] = True
-        if self.offload: kw['offload'] = True
-        return kw
-    @property
-    def code(self) -> str:
-        "The plan as lines of Python: wrap, the optimizer, fit"
-        if self.strategy is None: return ''
-        e = self.estimates[self.chosen]
-        opts = ''.join(f", {k}={v!r}" for k, v in self.wrap_kwargs.items() if k != 'strategy')
-        extra = ", loss_fn=loss_fn" if self.strategy == 'pipeline' else ''
-        opt = dict(sgd='SGD', momentum='SGD', adam='Adam', adamw='AdamW')[e.optimizer]
-        p = {'zero-mixed': 'bf16-mixed'}.get(e.precision, e.precision)  # torch trains ZeRO's 16 bytes as autocast
-        prec = '' if p == 'fp32' else f", precision={p!r}"
-        return (f"model = dtnb.wrap(model, {self.strategy!r}{opts}{extra})\n"
-                f"optimizer = dtnb.make_optimizer(model, torch.optim.{opt}, lr=...)\n"
-                f"dtnb.fit(model, loader, optimizer{prec})")
-    def assumptions(self) -> str:
-        "What the table assumes: optimizer, precision, activations, margin"
-        e = self.estimates[0]
-        acts = {'traced': 'traced from the batch', 'formula': "from the transformer formula",
-                'given': 'as given'}.get(e.activation_source, "not counted (give batch= or shape=): totals are lower "
-                                         "bounds and checkpointing is not planned")
-        return (f"assumes {e.optimizer}, {e.precision} precision, activations {acts}; budget {fmt_bytes(self.budget)} "
-                f"per device ({fmt_bytes(self.memory)} {self.device}, less a {self.margin:.0%} margin)")
-    def _fits(self, e):
-        if e.total > self.budget: return 'no'
-        return f"if activations ≤ {fmt_bytes(self.budget - e.total)}" if e.activations is None else 'yes'
-    def rows(self):
-        states = lambda e: f"{fmt_bytes(e.offloaded)} on host" if e.offload else fmt_bytes(e.model_states)
-        lower = lambda e, b: (('≥ ' + fmt_bytes(b)) if b else 'not counted') if 'gathered units' in e.unknown \
-                             else fmt_bytes(b)
-        return [(('→ ' if i == self.chosen else '') + e.label, e.world_size, states(e),
-                 'not counted' if e.activations is None else fmt_bytes(e.activations), lower(e, e.temporary),
-                 e.total_text, self._fits(e)) for i, e in enumerate(self.estimates)]
-    _cols = ('option', 'devices', 'model states', 'activations', 'temporary', 'total per device', 'fits')
-    def _head(self):
-        run = f"\nrun it: {self.code.splitlines()[0]}" if self.strategy else ''
-        return f"{self.label}: {self.reason}\n{self.assumptions()}{run}"
-    def to_dict(self):
-        return dict(strategy=self.strategy, checkpoint=self.checkpoint, offload=self.offload, reason=self.reason,
-                    memory=self.memory, budget=self.budget, device=self.device, chosen=self.chosen,
-                    margin=self.margin, wrap_kwargs=self.wrap_kwargs, assumptions=self.assumptions(), code=self.code,
-                    estimates=[e.to_dict() for e in self.estimates])
-    def _repr_markdown_(self):
-        h = self._head().split('\n')
-        return f"**{h[0]}**\n\n" + ''.join(f"{l}\n\n" for l in h[1:]) + md_table(self._cols, self.rows())
-    def __str__(self): return self._head() + '\n\n' + text_table(self._cols, self.rows())
-
-# %% ../../nbs/04a_plan.memory.ipynb #381d8810
-def _reason(plan_opts, single, chosen, budget, ws):
-    "One sentence on why the chosen option was picked"
-    if single.total <= budget:
-        return (f"fits on one device ({single.total_text}): train there" +
-                (f", or use DDP over {ws} devices for speed" if ws > 1 else ''))
-    need = f"one device would need {single.total_text}"
-    if chosen is None:
-        last = plan_opts[-1]
-        return (f"{need}, and even {last.label} needs {last.total_text} per device: use more devices, "
-                "a smaller micro-batch, or tensor parallelism")
-    e = plan_opts[chosen]
-    pipe = next((p for p in plan_opts if p.strategy == 'pipeline' and p.total <= budget), None)
-    also = (f"; a pipeline of {pipe.world_size} stages ({pipe.label}) fits too, without the host traffic"
-            if e.offload and pipe else '')
-    needs = 'an unknown amount' if e.total_text == 'unknown' else e.total_text
-    return f"{need}; {e.label} needs {needs} per device, the first option that fits{also}"
-
-def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
-              batch=None, # example batch per device, traced for the activations (with a model)
-              report=None, # a `DeviceReport`; default: `detect()`
-              world_size:int|None=None, # devices to plan for; default: the report's accelerators, else 1
-              optimizer:str='adamw',
-              precision:str|None=None, # default: 'bf16-mixed' (or 'fp16-mixed') where the report recommends it
-              loss_fn=None, # loss for the traced batch
-              shape:TransformerShape|None=None, # transformer shapes, for the activation formula
-              memory:int|float|None=None, # bytes per device, instead of the report's
-              margin:float=0.1, # fraction of device memory kept free
-              units=None, # module classes that are the model's units
-             ) -> MemoryPlan:
-    "The first strategy, in order of cost, whose estimate fits the device memory, and the table that led there"
-    if not 0 <= margin < 1: raise ValueError(f"margin={margin} must be a fraction of device memory in [0, 1), e.g. 0.1")
-    if report is None and (world_size is None or memory is None):
-        from dtnb.detection.device import detect
-        report = detect()
-    ws = world_size or (len(report.accelerators) or 1)
-    if memory is None: memory, device = _device_memory(report, ws)
-    else: device = 'given'
-    if not memory:
-        raise ValueError("The device memory is unknown (psutil missing?): pass memory= in bytes, e.g. memory=80e9")
-    fast = report.recommended['dtype'] if report is not None else None  # autocast where the device computes half fast
-    precision = precision or {'bf16': 'bf16-mixed', 'fp16': 'fp16-mixed'}.get(fast, 'fp32')
-    kw = dict(optimizer=optimizer, precision=precision, shape=shape, units=units)
-    if batch is not None: kw['activations'] = trace_activations(model, batch, loss_fn, precision, units)
-    single = estimate_memory(model, 'single', 1, **kw)
-    acts = single.activations is not None  # without activations, checkpointing changes nothing the table shows
-    opts = [estimate_memory(model, s, ws, checkpoint=c, offload=o, **kw) for s, c, o in _ladder(ws, acts)]
-    if isinstance(model, TransformerShape): shape = shape or model
-    layers = shape.layers if shape else (len(find_blocks(model, units)) if hasattr(model, 'parameters') else 0)
-    stages = min(ws, layers or ws)  # no more stages than layers
-    if hasattr(model, 'parameters'): stages = min(stages, len(pipeline_units(model)))  # nor than places to cut
-    if stages > 1:
-        opts.append(_pipeline(model, stages, **kw))
-        if acts: opts.append(_pipeline(model, stages, checkpoint=True, **kw))
-    budget = int(memory * (1 - margin))
-    chosen = next((i for i, e in enumerate(opts) if e.total <= budget), None)
-    ests = ([single] if ws > 1 else []) + opts
-    e = None if chosen is None else opts[chosen]
-    return MemoryPlan(None if e is None else e.strategy, bool(e and e.checkpoint), bool(e and e.offload),
-                      _reason(opts, single, chosen, budget, ws), int(memory), budget, device, ests,
-                      None if chosen is None else chosen + (ws > 1), margin)
-
-# %% ../../nbs/04a_plan.memory.ipynb #38581a6d
-class _Message(str):
-    "A message shown as Markdown by a widget"
-    def _repr_markdown_(self): return f"*{self}*"
-
-def memory_explorer(model=7.5e9, # an `nn.Module`, a parameter count, or a `TransformerShape`
-                    shape:TransformerShape|None=None, # transformer shapes: adds a micro-batch slider
-                    batch=None, # example batch to trace (with a model)
-                    loss_fn=None, world_size:int=8, strategy:str='ddp', optimizer:str='adamw',
-                    precision:str='zero-mixed'):
-    "An ipywidgets explorer of `estimate_memory`: change world size, dtype, batch or strategy and the table follows"
-    import ipywidgets as W
-    if isinstance(model, TransformerShape): model, shape = model.params(), shape or model
-    traces = {}
-    def update(world_size, strategy, precision, optimizer, micro_batch, checkpoint, offload):
-        acts = None
-        if batch is not None:
-            if precision not in traces: traces[precision] = trace_activations(model, batch, loss_fn, precision)
-            acts = traces[precision]
-        shp = replace(shape, batch=micro_batch) if shape is not None else None
-        try: return estimate_memory(model, strategy, world_size, optimizer, precision, shape=shp, activations=acts,
-                                    checkpoint=checkpoint, offload=offload)
-        except ValueError as e: return _Message(str(e))
-    sizes = sorted(set([2 ** i for i in range(13)] + [world_size]))
-    mb = (W.IntSlider(value=shape.batch, min=1, max=max(64, shape.batch), description='micro-batch') if shape
-          else W.fixed(None))
-    return W.interactive(update,
-        world_size=W.SelectionSlider(options=sizes, value=world_size, description='devices'),
-        strategy=W.Dropdown(options=list(SHARDS), value=ALIASES.get(strategy, strategy)),
-        precision=W.Dropdown(options=list(PRECISIONS), value=precision),
-        optimizer=W.Dropdown(options=list(OPTIMIZERS), value=optimizer), micro_batch=mb,
-        checkpoint=W.Checkbox(value=False, description='checkpointing'),
-        offload=W.Checkbox(value=False, description='CPU offload'))
+                          dev['optimizer'], acts, tmp, host, activation_checkpointing, offload, src, rank, unit)

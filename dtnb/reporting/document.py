@@ -6,13 +6,13 @@ Docs: https://dtnb-dev.github.io/dtnb/reporting.document.html.md"""
 
 # %% ../../nbs/08_reporting.document.ipynb #915fc483
 from __future__ import annotations
-import math, json, html, importlib
+import math, json, html
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
-from ..core.utils import fmt_bytes
+from ..core.utils import fmt_bytes, precision_for
 
 # %% auto #0
-__all__ = ['GAIN', 'Section', 'fig_ref', 'fold', 'Summary', 'summarize', 'html_page', 'Report', 'write_report']
+__all__ = ['GAIN', 'Section', 'fig_ref', 'fold', 'Summary', 'summarize_sections', 'html_page', 'Report', 'write_report']
 
 # %% ../../nbs/08_reporting.document.ipynb #ca213e85
 @dataclass
@@ -40,12 +40,6 @@ def fold(table:str, rows:int, what:str='rows', limit:int=12) -> str:
 GAIN = 1.05  # a parallel strategy is recommended for speed only when it measured at least this speed-up
 _SECTIONS = ('plan', 'training', 'loader', 'bench')  # what the summary reads
 
-def _api(name):
-    "A dtnb function wherever nbdev's index says it is defined (modules split without changing this one)"
-    from dtnb._modidx import d
-    mod = next(m for m, syms in d['syms'].items() if f'{m}.{name}' in syms)
-    return getattr(importlib.import_module(mod), name)
-
 def _speedups(training) -> dict:
     "Samples/s of each parallel strategy over one process's, from the training section's runs"
     runs = (training or {}).get('runs', {})
@@ -55,7 +49,7 @@ def _speedups(training) -> dict:
 def _fits_one(plan) -> bool:
     "Whether the planner found that the model fits on one device"
     single = next(e for e in plan['estimates']
-                  if e['strategy'] == 'single' and not e['checkpoint'] and not e['offload'])
+                  if e['strategy'] == 'single' and not e['activation_checkpointing'] and not e['offload'])
     return single['total'] <= plan['budget']
 
 def _busbw(bench, nbytes):
@@ -72,7 +66,8 @@ def _sync_reasons(data, n) -> list:
     one, grad = training.get('runs', {}).get('single', {}), training.get('grad_bytes')
     bw = _busbw(bench, grad or 0)
     if grad and bw and one.get('steps'):
-        sync, step = _api('predict_sync_seconds')('ddp', grad, n, bw), one['seconds'] / one['steps']
+        from dtnb.bench.throughput import predict_sync_seconds  # imports torch: only when there is something to say
+        sync, step = predict_sync_seconds('ddp', grad, n, bw), one['seconds'] / one['steps']
         out.append(f"syncing {fmt_bytes(grad)} of gradients at the measured all-reduce busbw ({bw:.2g} GB/s) takes "
                    f"about {sync * 1e3:.2g} ms per step, {'more than' if sync > step else 'a part of'} the "
                    f"{step * 1e3:.2g} ms of a whole step in one process")
@@ -159,8 +154,6 @@ def _number_format(bench, missing):
     return order[0], f"{order[0]} is the fastest matmul measured ({measured} {unit})"
 
 # %% ../../nbs/08_reporting.document.ipynb #90515642
-_PRECISION = {'bf16': 'bf16-mixed', 'fp16': 'fp16-mixed'}
-
 def _next_steps(strategy, n, bound, settings, fmt, data, missing) -> list:
     "(what, command or code) pairs: the first three that apply"
     training, steps = data.get('training') or {}, []
@@ -173,8 +166,8 @@ def _next_steps(strategy, n, bound, settings, fmt, data, missing) -> list:
                       f"dtnb launch -n {n} train.py"))
     if bound and settings: steps.append(("feed the model faster", _loader_code(settings, strategy)))
     if 'loader' in missing: steps.append(("check whether input is the bottleneck", "dtnb report --sections loader"))
-    if fmt in _PRECISION:
-        steps.append((f"train in {fmt}", f"fit(model, loader, optimizer, precision='{_PRECISION[fmt]}')"))
+    if fmt in ('bf16', 'fp16'):  # a half type measured fastest: autocast to it
+        steps.append((f"train in {fmt}", f"fit(model, loader, optimizer, precision='{precision_for(fmt)}')"))
     if 'bench' in missing: steps.append(("measure the number formats", "dtnb bench --only matmul"))
     if training.get('batchnorm') and strategy not in ('single', 'none', None):
         steps.append(("same BatchNorm statistics on all ranks", "nn.SyncBatchNorm.convert_sync_batchnorm(model)"))
@@ -212,9 +205,9 @@ class Summary:
         out += [f"{k}: {v}" for k, v in self._lines()] + ['Next steps:']
         return '\n'.join(out + [f"  {i}. {w}: {c}" for i, (w, c) in enumerate(self.next_steps, 1)])
 
-def summarize(data:dict,             # section name -> its data dict ('env', 'plan', 'training', 'loader', 'bench')
-              errors:dict|None=None  # section name -> error message, for sections that failed
-             ) -> Summary:
+def summarize_sections(data:dict,  # section name -> its data dict ('env', 'plan', 'training', 'loader', 'bench')
+                       errors:dict|None=None,  # section name -> error message, for sections that failed
+                      ) -> Summary:
     "What to do, consistent with what the sections measured; missing sections are said to be missing"
     errors = errors or {}
     missing = {k: (f"failed ({errors[k]})" if k in errors else 'not run')
@@ -263,7 +256,7 @@ class Report:
 
     def __post_init__(self):
         ok = {s.name: s.data for s in self.sections if s.error is None}
-        self.summary = summarize(ok, {s.name: s.error for s in self.sections if s.error})
+        self.summary = summarize_sections(ok, {s.name: s.error for s in self.sections if s.error})
     @property
     def ok(self): return all(s.error is None for s in self.sections)
     def to_dict(self):

@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/reporting.sections.html.md"""
 
 # %% ../../nbs/08a_reporting.sections.ipynb #57e65851
 from __future__ import annotations
-import os, sys, time, datetime, traceback, importlib
+import os, sys, time, datetime, traceback, pkgutil
 from dataclasses import dataclass
 from pathlib import Path
 from ..detection.device import detect
@@ -24,7 +24,7 @@ def load_spec(spec, what:str='--model'):
     mod, _, name = str(spec).partition(':')
     if not name: raise ValueError(f"{what} {spec!r}: use the form module:factory, e.g. mypkg.models:build")
     if os.getcwd() not in sys.path: sys.path.insert(0, os.getcwd())
-    return getattr(importlib.import_module(mod), name)
+    return pkgutil.resolve_name(f"{mod}:{name}")
 
 def token_cross_entropy(out, y):
     "Cross-entropy of (B, T, V) logits against (B, T) integer targets"
@@ -55,7 +55,7 @@ def _derived(task, n):
 def _source(task, n):
     "(inputs, targets) from the task's data source: at most n samples"
     from torch.utils.data import default_collate
-    from dtnb import toy_data
+    from dtnb.core.models import toy_data
     if task.model is None: return toy_data(n)[:]
     if task.batch: return load_spec(task.batch, '--batch')()
     if task.input_shape: return _derived(task, n)
@@ -91,7 +91,7 @@ class Task:
     def build(self):
         "A fresh model, the same in every process"
         import torch
-        from dtnb import ToyModel
+        from dtnb.core.models import ToyModel
         torch.manual_seed(0)
         return ToyModel() if self.model is None else load_spec(self.model)()
     def examples(self, n:int):
@@ -118,7 +118,7 @@ def env_section(quick=True, **_) -> Section:
 # %% ../../nbs/08a_reporting.sections.ipynb #428380ee
 def plan_section(quick=True, task=None, nprocs=2, **_) -> Section:
     "The strategy the memory planner recommends for the task's model, with its assumptions and table"
-    from dtnb import recommend
+    from dtnb.plan.recommend import recommend
     task = task or Task()
     batch = task.examples(16) if task.has_data else None
     p = recommend(task.build(), batch=batch, loss_fn=task.loss_fn if batch else None, world_size=nprocs,
@@ -136,7 +136,9 @@ def _train_strategy(strategy, steps, task):
     "Runs inside each rank (or the single process): the task's model through `fit`, or why the strategy cannot apply"
     import torch
     from torch.utils.data import TensorDataset
-    from dtnb import wrap, distributed_loader, fit, make_optimizer
+    from dtnb.parallel.ddp import distributed_loader, make_optimizer
+    from dtnb.parallel.wrap import wrap
+    from dtnb.train.loop import fit
     model, (x, y), loss_fn = task.build(), task.examples(512), task.loss_fn
     grad = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     opts = dict(loss_fn=loss_fn, n_microbatches=4, example=x[:4]) if strategy == 'pipeline' else {}
@@ -176,7 +178,7 @@ def _placement(nprocs):
     return None, ''
 
 def _launch_runs(task, steps, nprocs):
-    from dtnb import launch
+    from dtnb.launcher.processes import launch
     runs, device = {}, _placement(nprocs)[0]
     for s in ['single'] + STRATEGY_RUNS:
         n = 1 if s == 'single' else nprocs
@@ -220,7 +222,7 @@ def training_section(quick=True, task=None, nprocs=2, **_) -> Section:
 class _TaskSamples:
     "Samples of a task that each cost `cost_ms` of CPU, like a dataset that decodes and augments"
     def __init__(self, task, n, cost_ms=2.0):
-        from dtnb import SyntheticDataset
+        from dtnb.data.loaders import SyntheticDataset
         self.x, self.y = task.examples(n)
         self.cost = SyntheticDataset(n, cost_ms=cost_ms, shape=(1,))
     def __len__(self): return len(self.x)
@@ -238,7 +240,8 @@ def _train_step(task):
 
 def loader_section(quick=True, task=None, **_) -> Section:
     "Is training input-bound, and which loader settings fix it"
-    from dtnb import loader_report, SyntheticDataset
+    from dtnb.data.loaders import SyntheticDataset
+    from dtnb.data.tune import loader_report
     task, n = task or Task(), (1024 if quick else 4096)
     if task.dataset: ds, src = load_spec(task.dataset, '--dataset')(), f"your dataset ({task.dataset})"
     elif task.model is not None: ds, src = _TaskSamples(task, n), "samples shaped like your inputs, 2 ms of CPU each"
@@ -262,7 +265,7 @@ def _bench_md(r) -> str:
 
 def bench_section(quick=True, **_) -> Section:
     "Matmul, memory, collectives, model throughput and scaling on this machine"
-    from dtnb import bench_all
+    from dtnb.bench.throughput import bench_all
     results, figs = bench_all(quick=quick, progress=False, print_fn=lambda *a: None), {}
     for r in results:
         try: figs[f"bench_{r.kind}"] = r.plot().figure
@@ -271,18 +274,12 @@ def bench_section(quick=True, **_) -> Section:
     return Section('Benchmarks', md, '\n\n'.join(map(str, results)), {r.kind: r.to_dict() for r in results}, figs)
 
 # %% ../../nbs/08a_reporting.sections.ipynb #56492c55
-SECTIONS = {  # name: 'module:function' returning a Section
-    'env': 'dtnb.reporting.sections:env_section',
-    'plan': 'dtnb.reporting.sections:plan_section',
-    'training': 'dtnb.reporting.sections:training_section',
-    'loader': 'dtnb.reporting.sections:loader_section',
-    'bench': 'dtnb.reporting.sections:bench_section',
-}
+SECTIONS = dict(env=env_section, plan=plan_section, training=training_section, loader=loader_section,
+                bench=bench_section)  # name: the function returning that Section
 
-def _run_section(name, spec, **kw):
-    mod, fn = spec.split(':')
+def _run_section(name, fn, **kw):
     t = time.perf_counter()
-    try: s = getattr(importlib.import_module(mod), fn)(**kw)
+    try: s = fn(**kw)
     except Exception as e: s = Section(name, error=f"{type(e).__name__}: {e}", text=traceback.format_exc())
     s.seconds, s.name = time.perf_counter() - t, name
     return s

@@ -6,23 +6,25 @@ Docs: https://dtnb-dev.github.io/dtnb/train.batches.html.md"""
 
 # %% ../../nbs/05_train.batches.ipynb #e7838722
 from __future__ import annotations
-import inspect, warnings
+import inspect, warnings, contextlib
 from collections.abc import Mapping
 import torch
 from torch import nn
-from ..launcher.processes import world_size, current_device
-from ..core.utils import to_device, tree_map_tensors, tensors, autocast, all_gather_objects, cast_inputs
-from ..parallel.pipeline_split import _logits  # a Hugging Face output's .logits
+from ..core.dist import world_size, current_device, all_gather_objects
+from ..core.utils import to_device, tree_map_tensors, tensors, autocast, cast_inputs, check_precision
+from ..parallel.pipeline_split import output_logits  # a Hugging Face output's .logits
 
 # %% auto #0
-__all__ = ['evaluate']
+__all__ = ['cast_batch', 'forward_loss', 'count_samples', 'fit_precision', 'gradient_sync', 'micro_step', 'grad_norm',
+           'optimizer_step', 'as_metrics', 'pipeline_args', 'check_pipeline_validation', 'evaluate', 'check_loader',
+           'check_fp16']
 
 # %% ../../nbs/05_train.batches.ipynb #f10a5c99
 _REGRESSION = (nn.functional.mse_loss, nn.functional.l1_loss, nn.functional.smooth_l1_loss, nn.functional.huber_loss)
 _FIX = ("pass keys=('<input key>', '<target key>') (with loss_fn=...), or step_fn=lambda model, batch: <the loss>, "
         "or use a model whose forward takes the batch's names and returns an output with .loss")
 
-def _cast_inputs(batch, precision, keys=None):
+def cast_batch(batch, precision, keys=None):
     "For 'bf16-true': the batch with its floating-point inputs in bf16 (the targets unchanged: `utils.cast_inputs`)"
     if precision != 'bf16-true': return batch
     return cast_inputs(batch, torch.bfloat16, keys[1] if keys else 'labels')
@@ -62,7 +64,7 @@ def _loss(out, y, loss_fn, batch):
     if y is None:
         raise ValueError(f"no loss for a batch of {_describe(batch)}: no targets in it and no .loss in the model's "
                          f"output: {_FIX}")
-    pred, fn = _logits(out), loss_fn or nn.functional.mse_loss
+    pred, fn = output_logits(out), loss_fn or nn.functional.mse_loss
     if fn in _REGRESSION and isinstance(pred, torch.Tensor) and isinstance(y, torch.Tensor):
         name = fn.__name__ + ('' if loss_fn else ' (the default loss_fn)')
         if not y.is_floating_point():
@@ -74,19 +76,74 @@ def _loss(out, y, loss_fn, batch):
                              "e.g. loss_fn=torch.nn.functional.cross_entropy for class scores")
     return fn(pred, y)
 
-def _forward(model, batch, loss_fn=None, step_fn=None, keys=None):
+def forward_loss(model, batch, loss_fn=None, step_fn=None, keys=None):
     "(loss, predictions, targets) of one batch; predictions and targets are None where only a loss is known"
     if step_fn is not None:
         r = step_fn(model, batch)
         return tuple(r) if isinstance(r, (tuple, list)) else (r, None, None)
     (args, kwargs), y = _split(model, batch, keys)
     out = model(*args, **kwargs)
-    return _loss(out, y, loss_fn, batch), _logits(out), y
+    return _loss(out, y, loss_fn, batch), output_logits(out), y
 
-def _batch_size(batch) -> int:
+def count_samples(batch) -> int:
     "Samples in a batch: the first dimension of its first tensor"
     ts = tensors(batch)
     return ts[0].shape[0] if ts and ts[0].dim() else 1
+
+# %% ../../nbs/05_train.batches.ipynb #e92739b7
+def fit_precision(model, precision) -> str:
+    "`precision` as a name of `PRECISIONS` that `fit` can train `model` in, or an error that says what to do"
+    p = check_precision(precision)
+    if p == 'zero-mixed':
+        raise ValueError("fit does not implement ZeRO's fp32 master weights (precision='zero-mixed'): use "
+                         "'bf16-mixed', or FSDP's MixedPrecisionPolicy through wrap(model, 'fsdp', param_dtype='bf16')")
+    params = getattr(model, 'parameters', None)
+    if p == 'bf16-true' and (dts := {q.dtype for q in (params() if callable(params) else []) if q.is_floating_point()}
+                             - {torch.bfloat16}):
+        raise ValueError(f"precision='bf16-true' trains the model's own bf16 parameters, but it has "
+                         f"{', '.join(sorted(map(str, dts)))} ones: call model.to(torch.bfloat16) before building "
+                         "the optimizer, or use 'bf16-mixed' (autocast)")
+    return p
+
+# %% ../../nbs/05_train.batches.ipynb #d5fd7aef
+def gradient_sync(model, last):
+    "Context that skips gradient sync on all but the last micro-batch (DDP and FSDP2)"
+    if last: return contextlib.nullcontext()
+    if hasattr(model, 'no_sync'): return model.no_sync()
+    if hasattr(model, 'set_requires_gradient_sync'):
+        @contextlib.contextmanager
+        def fsdp_no_sync():
+            model.set_requires_gradient_sync(False)
+            try: yield
+            finally: model.set_requires_gradient_sync(True)
+        return fsdp_no_sync()
+    return contextlib.nullcontext()
+
+def micro_step(model, batch, fwd, device, precision, scaler, accumulate, last):
+    "Forward (`fwd(model, batch)` -> (loss, ...)) and backward of one micro-batch; returns the (unscaled) loss"
+    with gradient_sync(model, last):
+        with autocast(device, precision): loss = fwd(model, batch)[0]
+        l = loss / accumulate if accumulate > 1 else loss  # no extra op (and backward node) for the common case
+        (scaler.scale(l) if scaler is not None else l).backward()
+    return loss.detach()
+
+def grad_norm(model, clip):
+    "The gradient norm over the whole model before clipping, clipping to `clip` if given (None: a pipeline, no clip)"
+    if hasattr(model, 'clip_grad_norm_'):  # a pipeline: the norm over all its stages (a collective)
+        return model.clip_grad_norm_(clip) if clip is not None else None
+    params = [p for p in model.parameters() if p.grad is not None]
+    n = (torch.nn.utils.get_total_norm([p.grad for p in params]) if clip is None
+         else torch.nn.utils.clip_grad_norm_(params, clip))
+    return n.full_tensor() if hasattr(n, 'full_tensor') else n
+
+def optimizer_step(model, optimizer, scaler, clip):
+    "Unscale, clip, step and zero the gradients; returns the gradient norm before clipping"
+    if scaler is not None: scaler.unscale_(optimizer)
+    norm = grad_norm(model, clip)
+    if scaler is not None: scaler.step(optimizer); scaler.update()
+    else: optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
 
 # %% ../../nbs/05_train.batches.ipynb #525b8688
 def _sampler(loader):
@@ -104,7 +161,7 @@ def _real_samples(loader):
     n, ws, r = len(s.dataset), s.num_replicas, s.rank
     return (n - r + ws - 1) // ws  # positions p < n of the padded order with p % ws == r
 
-def _as_metrics(metrics) -> dict:
+def as_metrics(metrics) -> dict:
     "`metrics` as {name: metric}: a dict, a list of callables (named by __name__), or one callable"
     if metrics is None: return {}
     if isinstance(metrics, Mapping): return dict(metrics)
@@ -114,7 +171,7 @@ def _as_metrics(metrics) -> dict:
 
 
 # %% ../../nbs/05_train.batches.ipynb #dcdafd08
-def _pipeline_args(group, keys=None) -> tuple:
+def pipeline_args(group, keys=None) -> tuple:
     "The arguments of a pipeline's `step` for a group of batches: tensors concatenated (a dict's key by key)"
     if isinstance(group[0], dict):
         cat = {k: torch.cat([b[k] for b in group]) for k in group[0]}
@@ -123,12 +180,12 @@ def _pipeline_args(group, keys=None) -> tuple:
 
 def _is_pipeline(model) -> bool: return callable(getattr(model, 'eval_loss', None)) and not isinstance(model, nn.Module)
 
-def _check_pipeline_validation(model, metrics, loader):
+def check_pipeline_validation(model, metrics, loader):
     "Why a pipeline cannot validate on `loader` with `metrics`, raised on every rank alike before any forward"
     if not getattr(model, 'evaluates', True):
         raise ValueError(f"torch's {model.schedule_name!r} schedule cannot run forward only, so this pipeline cannot "
                          "validate: train it on another schedule (e.g. 'interleaved1f1b'), or validate on one process")
-    if _as_metrics(metrics):
+    if as_metrics(metrics):
         raise ValueError("metrics score predictions, and a pipeline holds them only on its last stage: a pipeline "
                          "validates its val_loss; score metrics on one process (export_model gives the whole model)")
     counts = all_gather_objects(len(loader) if hasattr(loader, '__len__') else None)  # every forward is a collective
@@ -149,8 +206,8 @@ def _evaluate_pipeline(model, loader, keys, precision) -> dict:
     model.eval()
     try:
         for b in loader:
-            k = _batch_size(b)  # every rank of a replica reads the same batch; replicas read equal ones
-            total += model.eval_loss(*_pipeline_args([_cast_inputs(b, precision, keys)], keys)).item() * k; n += k
+            k = count_samples(b)  # every rank of a replica reads the same batch; replicas read equal ones
+            total += model.eval_loss(*pipeline_args([cast_batch(b, precision, keys)], keys)).item() * k; n += k
     finally: model.train(was)
     return dict(val_loss=total / n if n else float('nan'))
 
@@ -159,22 +216,22 @@ def _evaluate_pipeline(model, loader, keys, precision) -> dict:
 def evaluate(model, loader, loss_fn=None, metrics=None, *, step_fn=None, keys=None, precision=None) -> dict:
     "Mean loss and `metrics` over `loader`, every sample counted once over the ranks: {'val_loss': ..., name: ...}"
     if _is_pipeline(model):  # the loss_fn given to apply_pipeline computes the loss, on the last stage
-        _check_pipeline_validation(model, metrics, loader)
+        check_pipeline_validation(model, metrics, loader)
         return _evaluate_pipeline(model, loader, keys, precision)
-    device, metrics, left = current_device(), _as_metrics(metrics), _real_samples(loader)
+    device, metrics, left = current_device(), as_metrics(metrics), _real_samples(loader)
     stateful = {k for k, m in metrics.items() if callable(getattr(m, 'update', None)) and hasattr(m, 'compute')}
     for k in stateful: getattr(metrics[k], 'reset', lambda: None)()
     was, total, n, preds, ys = model.training, torch.zeros((), dtype=torch.float64, device=device), 0, [], []
     model.eval()
     try:
         for b in loader:
-            k = _batch_size(b)
+            k = count_samples(b)
             if left is not None:  # drop the padding a DistributedSampler added to even out the ranks
                 real = max(0, min(k, left)); left -= real
                 if 0 < real < k: b, k = tree_map_tensors(lambda t: t[:real], b), real
-            b = _cast_inputs(to_device(b, device, non_blocking=True), precision, keys)
+            b = cast_batch(to_device(b, device, non_blocking=True), precision, keys)
             # every rank runs every batch, padding only or not: an FSDP forward is a collective
-            with autocast(device, precision): loss, pred, y = _forward(model, b, loss_fn, step_fn, keys)
+            with autocast(device, precision): loss, pred, y = forward_loss(model, b, loss_fn, step_fn, keys)
             if left is not None and real == 0: continue
             total += loss.detach().double() * k; n += k
             if metrics and (pred is None or y is None):
@@ -194,7 +251,7 @@ def evaluate(model, loader, loss_fn=None, metrics=None, *, step_fn=None, keys=No
     return out
 
 # %% ../../nbs/05_train.batches.ipynb #d418c912
-def _check_loader(loader, strategy, what='loader'):
+def check_loader(loader, strategy, what='loader'):
     "Warn when a map-style loader under DDP/FSDP on several ranks has no DistributedSampler"
     from torch.utils.data import IterableDataset
     from torch.utils.data.distributed import DistributedSampler
@@ -206,7 +263,8 @@ def _check_loader(loader, strategy, what='loader'):
                   "distributed_loader(dataset, global_batch_size=...) or DataLoader(dataset, "
                   "sampler=DistributedSampler(dataset))", stacklevel=3)
 
-def _check_fp16(precision, device):
+def check_fp16(precision, device):
+    "Warn that 'fp16-mixed' on a CPU runs far slower than 'bf16-mixed'"
     if precision == 'fp16-mixed' and device.type == 'cpu':
         warnings.warn("precision='fp16-mixed' on a CPU: CPUs have no fast fp16 kernels, so it runs many times "
                       "slower than bf16; precision='bf16-mixed' is the CPU choice", stacklevel=3)

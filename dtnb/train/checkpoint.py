@@ -11,13 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 from torch import nn
-from ..core.utils import md_table, text_table, broadcast_from_rank0, all_gather_objects
+from ..core.utils import md_table, text_table
+from ..core.dist import dist_or_none, rank_world, broadcast_from_rank0, all_gather_objects, agree
 from .resume_state import rng_state
 
 # %% auto #0
-__all__ = ['FORMAT', 'VERSION', 'MARKER', 'CheckpointError', 'checkpoint_path', 'dist_or_none', 'rank_world', 'quiet', 'agree',
-           'state_dicts', 'AsyncSave', 'save_checkpoint', 'read_marker', 'CheckpointList', 'list_checkpoints',
-           'latest_checkpoint', 'prune_checkpoints']
+__all__ = ['FORMAT', 'VERSION', 'MARKER', 'CheckpointError', 'checkpoint_path', 'rank_file', 'quiet', 'state_dicts', 'set_state',
+           'global_shapes', 'live_buffers', 'file_crc', 'load_pt', 'AsyncSave', 'save_checkpoint', 'wait_pending',
+           'read_marker', 'looks_like_checkpoint', 'CheckpointList', 'list_checkpoints', 'latest_checkpoint',
+           'prune_checkpoints']
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c006
 FORMAT, VERSION, MARKER = 'dtnb-checkpoint', 1, '.complete'
@@ -29,33 +31,15 @@ def checkpoint_path(root, step:int) -> Path:
     "The conventional place of the checkpoint of `step` under `root`: root/step_00000042"
     return Path(root) / f"step_{int(step):08d}"
 
-def _rank_file(r:int) -> str: return f"rank_{r:05d}.pt"
+def rank_file(r:int) -> str: return f"rank_{r:05d}.pt"
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c008
-def dist_or_none():
-    "torch.distributed when a process group is up, else None"
-    import torch.distributed as dist
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-def rank_world() -> tuple[int, int]:
-    "(rank, world size) of the process group, (0, 1) without one"
-    d = dist_or_none()
-    return (d.get_rank(), d.get_world_size()) if d else (0, 1)
-
 @contextlib.contextmanager
 def quiet():
     "Silence DCP's warning that it runs in one process: here that is intended"
     with warnings.catch_warnings():
         warnings.filterwarnings('ignore', message='torch.distributed is (disabled|unavailable)')
         yield
-
-def agree(problem:str|None, cls=CheckpointError):
-    "Raise `cls` on every rank if any rank has a problem (a string); the message names the ranks"
-    bad = [(r, p) for r, p in enumerate(all_gather_objects(problem)) if p]
-    if not bad: return
-    first = bad[0][1]
-    if len(bad) > 1 and any(p != first for _, p in bad): first += ''.join(f"\n(rank {r}: {p})" for r, p in bad[1:])
-    raise cls(first)
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c010
 def _options(**kw):
@@ -97,7 +81,7 @@ def state_dicts(model, optimizer=None, **options) -> tuple[dict, dict|None]:
     back = {(kind, _unprefix(kind, k)): k for kind, d in sd.items() for k in d}
     return {kind: {_unprefix(kind, k): v for k, v in d.items()} for kind, d in sd.items()}, back
 
-def _set_state(model, optimizer, sd, back):
+def set_state(model, optimizer, sd, back):
     "Put a state from `state_dicts` (now loaded) back into the model and optimizer"
     from torch.distributed.checkpoint.state_dict import set_state_dict, set_model_state_dict
     if back: sd = {kind: {back[(kind, k)]: v for k, v in d.items()} for kind, d in sd.items()}
@@ -110,7 +94,7 @@ def _set_state(model, optimizer, sd, back):
             for mine, loaded in zip(optimizer.param_groups, local.param_groups):
                 mine.update({k: v for k, v in loaded.items() if k != 'params'})
 
-def _shapes(sd:dict) -> dict:
+def global_shapes(sd:dict) -> dict:
     "{kind: {key: global shape, or None for a non-tensor}}, merged over all ranks (stages hold different keys)"
     mine = {kind: {k: list(v.shape) if isinstance(v, torch.Tensor) else None for k, v in d.items()}
             for kind, d in sd.items()}
@@ -122,7 +106,7 @@ def _shapes(sd:dict) -> dict:
 # %% ../../nbs/05b_train.checkpoint.ipynb #b3bd8c2f
 def _is_dtensor(t): return type(t).__name__ == 'DTensor'
 
-def _live_buffers(model) -> dict:
+def live_buffers(model) -> dict:
     "{state-dict key: tensor} of the buffers `model` holds whole on this rank (not sharded), aliasing them"
     m = _module(model)
     held = {b.data_ptr() for b in m.buffers() if b.numel() and not _is_dtensor(b)}
@@ -134,7 +118,7 @@ def _rank0_buffers(model, sd:dict) -> dict:
     "Put rank 0's value of every buffer all ranks hold into `sd` (copies); return this rank's own that differ"
     d = dist_or_none()
     if d is None or d.get_world_size() == 1: return {}
-    mine = {k: (list(v.shape), str(v.dtype)) for k, v in _live_buffers(model).items() if k in sd['model']}
+    mine = {k: (list(v.shape), str(v.dtype)) for k, v in live_buffers(model).items() if k in sd['model']}
     parts = all_gather_objects(mine)
     groups, own = {}, {}  # buffers every rank holds alike (not a pipeline stage's own), by dtype and device type
     for k in sorted(k for k in mine if all(p.get(k) == mine[k] for p in parts)):
@@ -149,7 +133,7 @@ def _rank0_buffers(model, sd:dict) -> dict:
     return own
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c027
-def _crc(path) -> int:
+def file_crc(path) -> int:
     "CRC32 of a file"
     c = 0
     with open(path, 'rb') as f:
@@ -167,7 +151,7 @@ def _write_pt(obj, path):
     with open(path, 'wb') as f:
         torch.save(obj, f); f.flush(); os.fsync(f.fileno())
 
-def _load_pt(path):
+def load_pt(path):
     "torch.load with weights_only=True: tensors, numbers, strings and containers of them; nothing else is run"
     try: return torch.load(path, map_location='cpu', weights_only=True)
     except FileNotFoundError: raise CheckpointError(f"{path} is missing: the checkpoint is incomplete") from None
@@ -197,7 +181,7 @@ def _hash_files(tmp:Path) -> dict:
     r, ws = rank_world()
     names = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != MARKER)
     files = {}
-    for part in all_gather_objects({n: [os.path.getsize(tmp / n), _crc(tmp / n)] for n in names[r::ws]}):
+    for part in all_gather_objects({n: [os.path.getsize(tmp / n), file_crc(tmp / n)] for n in names[r::ws]}):
         files.update(part)
     return files
 
@@ -229,7 +213,7 @@ class AsyncSave:
         "Rank 0, in the writer thread: checksum every file, write the marker, rename"
         try:
             fut.result()
-            files = {p.name: [p.stat().st_size, _crc(p)] for p in sorted(self._tmp.iterdir())
+            files = {p.name: [p.stat().st_size, file_crc(p)] for p in sorted(self._tmp.iterdir())
                      if p.is_file() and p.name != MARKER}
             _commit(self._tmp, self.path, self._meta, files, self._keep)
         except BaseException as e: self._error = e
@@ -251,7 +235,7 @@ class AsyncSave:
             if getattr(e, 'failures', None): problem = str(_save_error(self.path, e))
             else: problem = f"background save of {self.path} failed: {type(e).__name__}: {e}"
             if rank_world()[0] == 0: shutil.rmtree(self._tmp, ignore_errors=True)
-        agree(problem)
+        agree(problem, CheckpointError)
         return self.path
 
     def __repr__(self): return f"AsyncSave({self.path}, {'done' if self.done() else 'writing'})"
@@ -276,7 +260,7 @@ def save_checkpoint(path,                        # directory to create, e.g. che
     "Save model, optimizer, step, RNG and data position on every rank (a collective); `path` appears only complete"
     import torch.distributed.checkpoint as dcp
     path = Path(path)
-    _wait_pending()
+    wait_pending()
     _check_extra(extra)
     if loader is not None and not callable(getattr(loader, 'state_dict', None)):
         raise TypeError(f"loader={type(loader).__name__} cannot report its position: wrap it with "
@@ -288,7 +272,7 @@ def save_checkpoint(path,                        # directory to create, e.g. che
     own = _rank0_buffers(model, sd)  # the checkpoint holds rank 0's buffers, each rank file this rank's own
     meta = dict(format=FORMAT, version=VERSION, step=int(step), world_size=ws, saved_at=time.time(),
                 torch=torch.__version__,
-                **{k: v for k, v in _shapes(sd).items()}, extra=sorted(extra))
+                **{k: v for k, v in global_shapes(sd).items()}, extra=sorted(extra))
     meta.setdefault('optim', None)
     path0, token = broadcast_from_rank0((str(path), uuid.uuid4().hex[:12]))
     agree(None if str(path) == path0 else f"rank {r} saves to {path} but rank 0 to {path0}: pass the same path on "
@@ -296,7 +280,7 @@ def save_checkpoint(path,                        # directory to create, e.g. che
     tmp = path.with_name(f"{path.name}.tmp-{token}")
     tmp.mkdir(parents=True, exist_ok=True)
     _write_pt(dict(rank=r, world_size=ws, rng=rng_state(), buffers=own,
-                   data=loader.state_dict() if loader is not None else None), tmp / _rank_file(r))
+                   data=loader.state_dict() if loader is not None else None), tmp / rank_file(r))
     if r == 0: _write_pt(extra, tmp / 'extra.pt')
     writer = dcp.FileSystemWriter(str(tmp))
     if async_save:
@@ -314,7 +298,7 @@ def save_checkpoint(path,                        # directory to create, e.g. che
     if r == 0:
         try: _commit(tmp, path, meta, files, keep)
         except Exception as e: problem = f"committing checkpoint {path} failed: {type(e).__name__}: {e}"
-    agree(problem)
+    agree(problem, CheckpointError)
     return path
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c033
@@ -328,7 +312,7 @@ def _async_group():
     if key not in _ASYNC_GROUPS: _ASYNC_GROUPS[key] = d.new_group(backend='gloo')
     return _ASYNC_GROUPS[key]
 
-def _wait_pending():
+def wait_pending():
     for a in list(_PENDING): a.wait()
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c038
@@ -354,7 +338,7 @@ def read_marker(p:Path) -> dict:
         raise _incomplete(p, f"written by a newer dtnb (format {meta['version']} > {VERSION}): upgrade dtnb")
     return meta
 
-def _looks_like_checkpoint(p:Path) -> bool:
+def looks_like_checkpoint(p:Path) -> bool:
     return '.tmp-' in p.name or (p / MARKER).exists() or (p / '.metadata').exists() or any(p.glob('rank_*.pt'))
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c039
@@ -382,7 +366,7 @@ def list_checkpoints(root) -> CheckpointList:
     root, out = Path(root), CheckpointList(str(root))
     if not root.is_dir(): return out
     for p in sorted(root.iterdir()):
-        if not p.is_dir() or not _looks_like_checkpoint(p): continue
+        if not p.is_dir() or not looks_like_checkpoint(p): continue
         try: m = read_marker(p)
         except CheckpointError as e:
             out.partial.append(dict(path=str(p), why=e.why)); continue

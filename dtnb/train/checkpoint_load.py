@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from ..core.utils import md_table, text_table
 from .resume_state import set_rng_state
-from .checkpoint import (MARKER, CheckpointError, dist_or_none, rank_world, all_gather_objects, quiet, state_dicts,
-                             read_marker, list_checkpoints, latest_checkpoint)
-from .checkpoint import _crc, _load_pt, _rank_file, _wait_pending, _set_state, _shapes, _looks_like_checkpoint
-from .checkpoint import _live_buffers
+from .checkpoint import MARKER, CheckpointError, quiet, state_dicts, read_marker, list_checkpoints, latest_checkpoint
+from ..core.dist import dist_or_none, rank_world, all_gather_objects
+from .checkpoint import file_crc, load_pt, rank_file, wait_pending, set_state, global_shapes, looks_like_checkpoint
+from .checkpoint import live_buffers
 
 # %% auto #0
 __all__ = ['check_metadata', 'safe_dcp', 'mismatch', 'verify_checkpoint', 'resolve', 'Checkpoint', 'load_checkpoint']
@@ -122,7 +122,7 @@ def verify_checkpoint(path:Path, meta:dict, collective:bool=True):
         if not f.is_file(): bad.append(f"{name}: missing")
         elif (n := f.stat().st_size) != size:
             bad.append(f"{name}: {n:,} bytes instead of {size:,} ({'truncated' if n < size else 'grown'})")
-        elif _crc(f) != crc: bad.append(f"{name}: checksum mismatch (corrupted)")
+        elif file_crc(f) != crc: bad.append(f"{name}: checksum mismatch (corrupted)")
     if collective: bad = [b for part in all_gather_objects(bad) for b in part]
     bad = sorted(bad)
     if bad: raise CheckpointError(f"checkpoint {path} is damaged; nothing was loaded:\n  " + '\n  '.join(bad) +
@@ -135,7 +135,7 @@ def resolve(path) -> Path:
         near = list_checkpoints(p.parent).complete if p.parent.is_dir() else []
         held = f"; {p.parent} holds: {_few(Path(c['path']).name for c in near)}" if near else ''
         raise FileNotFoundError(f"checkpoint {p} does not exist" + held)
-    if _looks_like_checkpoint(p): return p
+    if looks_like_checkpoint(p): return p
     latest = latest_checkpoint(p)
     if latest is None:
         partial = list_checkpoints(p).partial
@@ -172,7 +172,7 @@ class Checkpoint:
 @torch.no_grad()
 def _restore_buffers(model, own:dict):
     "Put back this rank's own buffers (those that differed from rank 0's when saved) into `model`"
-    live = _live_buffers(model)
+    live = live_buffers(model)
     for k, v in own.items():
         if k in live: live[k].copy_(v)
 
@@ -186,19 +186,19 @@ def load_checkpoint(path,                     # a checkpoint directory, or a dir
                    ) -> Checkpoint:
     "Restore a `save_checkpoint` checkpoint into `model`, `optimizer`, `loader` on any number of ranks (a collective)"
     import torch.distributed.checkpoint as dcp
-    _wait_pending()
+    wait_pending()
     path = resolve(path)
     meta = read_marker(path)
     if verify: verify_checkpoint(path, meta)
     check_metadata(path)
     sd, back = state_dicts(model, optimizer)
-    _check_fits(path, meta, _shapes(sd), optimizer is not None)
+    _check_fits(path, meta, global_shapes(sd), optimizer is not None)
     Reader, Planner, _ = safe_dcp()
     with quiet(): dcp.load(sd, storage_reader=Reader(str(path)), planner=Planner(), no_dist=dist_or_none() is None)
-    _set_state(model, optimizer, sd, back)
+    set_state(model, optimizer, sd, back)
     r, ws = rank_world()
     same = ws == meta['world_size']
-    mine = _load_pt(path / _rank_file(r if r < meta['world_size'] else 0))
+    mine = load_pt(path / rank_file(r if r < meta['world_size'] else 0))
     if rng and same: set_rng_state(mine['rng'])
     if same and mine.get('buffers'): _restore_buffers(model, mine['buffers'])
     if loader is not None:
@@ -207,5 +207,5 @@ def load_checkpoint(path,                     # a checkpoint directory, or a dir
             raise TypeError("loader= needs a resumable(...) loader to restore the data position into")
         loader.load_state_dict(mine['data'])
     d = mine['data']
-    return Checkpoint(str(path), meta['step'], _load_pt(path / 'extra.pt'), meta['world_size'], ws, bool(rng and same),
+    return Checkpoint(str(path), meta['step'], load_pt(path / 'extra.pt'), meta['world_size'], ws, bool(rng and same),
                       dict(epoch=d['epoch'], offset=d['offset']) if d else None)

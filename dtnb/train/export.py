@@ -10,8 +10,8 @@ import os, uuid
 from pathlib import Path
 import torch
 from torch import nn
-from .checkpoint import (CheckpointError, dist_or_none, rank_world, all_gather_objects, agree, quiet, state_dicts,
-                             read_marker)
+from .checkpoint import CheckpointError, quiet, state_dicts, read_marker
+from ..core.dist import dist_or_none, rank_world, all_gather_objects, agree
 from .checkpoint_load import resolve, verify_checkpoint, check_metadata, safe_dcp, mismatch
 
 # %% auto #0
@@ -80,7 +80,7 @@ def export_model(path,                  # a .safetensors or .pt file
     if rank_world()[0] == 0:
         try: path.parent.mkdir(parents=True, exist_ok=True); _write_weights(sd, path, dtype)
         except Exception as e: problem = f"export to {path} failed: {type(e).__name__}: {e}"
-    agree(problem)
+    agree(problem, CheckpointError)
     return path
 
 def export_checkpoint(checkpoint,       # a checkpoint directory (or a directory of them: the newest)

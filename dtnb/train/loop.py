@@ -6,14 +6,14 @@ Docs: https://dtnb-dev.github.io/dtnb/train.loop.html.md"""
 
 # %% ../../nbs/05e_train.loop.ipynb #c002
 from __future__ import annotations
-import os, time, contextlib, warnings
+import os, time, warnings
 from dataclasses import dataclass, field, asdict
 import torch
 from torch import nn
-from ..launcher.processes import world_size, is_main, current_device
-from ..core.utils import md_table, text_table, to_device, progress_bar, check_precision, autocast
-from .batches import _cast_inputs, _forward, _batch_size, _check_loader, _check_fp16, _as_metrics, evaluate
-from .batches import _pipeline_args, _check_pipeline_validation
+from ..core.dist import world_size, is_main, current_device
+from ..core.utils import md_table, text_table, to_device, StepProgress, DEFAULT_PRECISION
+from .batches import cast_batch, forward_loss, count_samples, check_loader, check_fp16, as_metrics, evaluate
+from .batches import pipeline_args, check_pipeline_validation, fit_precision, micro_step, optimizer_step
 from ..core.models import find_blocks
 from ..parallel.fsdp import check_optimizer
 from .resume_state import resumable
@@ -32,7 +32,7 @@ class FitResult:
     samples: int = 0         # samples over all ranks
     seconds: float = 0.0
     data_wait_s: float = 0.0  # time this rank spent waiting for the loader
-    strategy: str = ''
+    strategy: str = ''        # the strategy applied: the name given to `wrap` ('zero1'...), else what fit drove
     start_step: int = 0       # the step this run started from (> 0 when it resumed from a checkpoint)
     resumed_from: str = ''    # the checkpoint it resumed from
     lrs: list = field(default_factory=list)          # learning rate of each step (the first parameter group's)
@@ -65,107 +65,50 @@ class FitResult:
     def _repr_markdown_(self): return md_table(self._cols, self._rows())
     def __str__(self): return text_table(self._cols, self._rows())
 
-# %% ../../nbs/05e_train.loop.ipynb #e92739b7
-def _precision(model, precision) -> str:
-    "`precision` as a name of `PRECISIONS` that `fit` can train `model` in, or an error that says what to do"
-    p = check_precision(precision)
-    if p == 'zero-mixed':
-        raise ValueError("fit does not implement ZeRO's fp32 master weights (precision='zero-mixed'): use "
-                         "'bf16-mixed', or FSDP's MixedPrecisionPolicy through wrap(model, 'fsdp', param_dtype='bf16')")
-    params = getattr(model, 'parameters', None)
-    if p == 'bf16-true' and (dts := {q.dtype for q in (params() if callable(params) else []) if q.is_floating_point()}
-                             - {torch.bfloat16}):
-        raise ValueError(f"precision='bf16-true' trains the model's own bf16 parameters, but it has "
-                         f"{', '.join(sorted(map(str, dts)))} ones: call model.to(torch.bfloat16) before building "
-                         "the optimizer, or use 'bf16-mixed' (autocast)")
-    return p
-
-# %% ../../nbs/05e_train.loop.ipynb #d5fd7aef
-def _no_sync(model, last):
-    "Context that skips gradient sync on all but the last micro-batch (DDP and FSDP2)"
-    if last: return contextlib.nullcontext()
-    if hasattr(model, 'no_sync'): return model.no_sync()
-    if hasattr(model, 'set_requires_gradient_sync'):
-        @contextlib.contextmanager
-        def fsdp_no_sync():
-            model.set_requires_gradient_sync(False)
-            try: yield
-            finally: model.set_requires_gradient_sync(True)
-        return fsdp_no_sync()
-    return contextlib.nullcontext()
-
-def _micro_step(model, batch, fwd, device, precision, scaler, accumulate, last):
-    "Forward (`fwd(model, batch)` -> (loss, ...)) and backward of one micro-batch; returns the (unscaled) loss"
-    with _no_sync(model, last):
-        with autocast(device, precision): loss = fwd(model, batch)[0]
-        l = loss / accumulate if accumulate > 1 else loss  # no extra op (and backward node) for the common case
-        (scaler.scale(l) if scaler is not None else l).backward()
-    return loss.detach()
-
-def _grad_norm(model, clip):
-    "The gradient norm over the whole model before clipping, clipping to `clip` if given (None: a pipeline, no clip)"
-    if hasattr(model, 'clip_grad_norm_'):  # a pipeline: the norm over all its stages (a collective)
-        return model.clip_grad_norm_(clip) if clip is not None else None
-    params = [p for p in model.parameters() if p.grad is not None]
-    n = (torch.nn.utils.get_total_norm([p.grad for p in params]) if clip is None
-         else torch.nn.utils.clip_grad_norm_(params, clip))
-    return n.full_tensor() if hasattr(n, 'full_tensor') else n
-
-def _opt_step(model, optimizer, scaler, clip):
-    "Unscale, clip, step and zero the gradients; returns the gradient norm before clipping"
-    if scaler is not None: scaler.unscale_(optimizer)
-    norm = _grad_norm(model, clip)
-    if scaler is not None: scaler.step(optimizer); scaler.update()
-    else: optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return norm
-
 # %% ../../nbs/05e_train.loop.ipynb #c010
 def _at_end(loader, served) -> bool:
     "Whether `loader`'s current pass is exhausted after `served` batches (a resumed loader counts its position)"
     try: return getattr(loader, 'offset', served) >= len(loader)
     except TypeError: return False
 
-def _batches(loader, epochs, max_steps, accumulate, stats):
-    "Yield lists of `accumulate` micro-batches, timing the wait for each, and None at the end of each epoch"
-    for _ in range(epochs):
+def _batches(loader, passes, accumulate, done, result, ended=False):
+    "Lists of `accumulate` micro-batches and None at the end of each pass, until `done()` after a list"
+    for p in range(passes):
         it, group, served = iter(loader), [], 0
         while True:
             t = time.perf_counter()
             try: b = next(it)
             except StopIteration: break
-            stats['wait'] += time.perf_counter() - t
+            result.data_wait_s += time.perf_counter() - t
             group.append(b); served += 1
             if len(group) == accumulate:
                 yield group; group = []
-                stats['steps'] += 1
-                if max_steps is not None and stats['steps'] >= max_steps:
+                if done():
                     if _at_end(loader, served): yield None
                     return
-        yield None
+        if not (p == 0 and ended and not served): yield None  # `ended`: a resumed pass whose end was handled
 
 # %% ../../nbs/05e_train.loop.ipynb #c008
-def _strategy_name(model):
+def _kind(model) -> str:
+    "How `fit` drives `model`: 'ddp' (DDP's no_sync), 'fsdp' (FSDP2's sync switch), 'pipeline' (`.step`), 'single'"
     if hasattr(model, 'no_sync'): return 'ddp'
     if hasattr(model, 'set_requires_gradient_sync'): return 'fsdp'
     if callable(getattr(model, 'step', None)) and not isinstance(model, nn.Module): return 'pipeline'
     return 'single'
 
-def _mean_over_ranks(losses):
-    "Per-step losses averaged over the data-parallel ranks, with one all-reduce for the whole run"
+def _strategy(model) -> str:
+    "The strategy applied to `model`: the name given to `wrap` ('zero1', 'zero3'...), else what `fit` drives"
+    return getattr(model, '_dtnb_strategy', None) or _kind(model)
+
+def _step_losses(losses, kind) -> list:
+    "Per-step losses as floats, averaged over the data-parallel ranks with one all-reduce (a pipeline's: as they are)"
+    if not losses or kind == 'pipeline': return [float(l) for l in losses]
     import torch.distributed as dist
     t = torch.stack(losses).detach().float()
     if dist.is_initialized() and dist.get_world_size() > 1:
         t = t.to(current_device()) if dist.get_backend() == 'nccl' else t.cpu()
         dist.all_reduce(t); t /= dist.get_world_size()
     return t.cpu().tolist()
-
-def _step_losses(losses, strategy) -> list:
-    "This run's per-step losses as floats, averaged over the data-parallel ranks"
-    if not losses: return []
-    return _mean_over_ranks(losses) if strategy != 'pipeline' else [float(l) for l in losses]
-
-
 
 # %% ../../nbs/05e_train.loop.ipynb #c012
 _HISTORY = ('losses', 'lrs', 'grad_norms')
@@ -211,9 +154,9 @@ def _checkpoint(checkpoint_dir, step, model, optimizer, loader, scheduler, scale
                            keep=keep, async_save=async_save, fit=state)
 
 # %% ../../nbs/05e_train.loop.ipynb #c013
-def _place(model, optimizer, device, strategy):
+def _place(model, optimizer, device, kind):
     "Move a plain nn.Module to `device` (in place: same parameter objects); refuse if the optimizer already has state"
-    if strategy != 'single' or not isinstance(model, nn.Module): return
+    if kind != 'single' or not isinstance(model, nn.Module): return
     params = list(model.parameters())
     there = lambda d: d.type == device.type and (device.index is None or d.index == device.index)
     if not params or all(there(p.device) for p in params): return
@@ -223,42 +166,40 @@ def _place(model, optimizer, device, strategy):
                          "optimizer")
     model.to(device)
 
-class _Progress:
-    "The main rank's progress: a bar, or (under launch/torchrun) a line every `every` seconds"
-    def __init__(self, enable, total, start=0, every=2.0, lines=None):
-        if lines is None: lines = world_size() > 1 or os.environ.get('DTNB_LAUNCH') == '1'
-        on = enable and is_main()
-        self.total, self.start, self.every, self.lines = total, start, every, on and lines
-        self.t0, self.last = time.perf_counter(), float('-inf')
-        self.bar = progress_bar(total=total, initial=start, enable=on and not lines, desc='fit', unit='step',
-                                mininterval=0.5)
-    def update(self, step, loss):
-        if self.bar is not None:
-            if (step - self.start) % 10 == 1 or step == self.total: self.bar.set_postfix(loss=f"{float(loss):.4f}")
-            self.bar.update(1)
-        elif self.lines and (step in (self.start + 1, self.total) or time.perf_counter() - self.last >= self.every):
-            self.last = time.perf_counter()
-            rate = (step - self.start) / max(self.last - self.t0, 1e-9)
-            of = f"/{self.total}" if self.total else ''
-            print(f"fit: step {step}{of} · loss {float(loss):.4f} (rank 0) · {rate:.1f} steps/s", flush=True)
-    def close(self):
-        if self.bar is not None: self.bar.close()
-
-def _progress(progress, loader, epochs, max_steps, accumulate, start=0, lines=None):
-    "The main rank's progress over the optimizer steps"
+def _progress(progress, loader, epochs, max_steps, accumulate, start=0, lines=None) -> StepProgress:
+    "The main rank's progress over the optimizer steps: a bar, or under launch/torchrun a line every 2 seconds"
     try: total = len(loader) // accumulate * epochs
     except TypeError: total = None
     if max_steps is not None: total = min(total or max_steps, max_steps)
-    return _Progress(progress, total, start, lines=lines)
+    if lines is None: lines = world_size() > 1 or os.environ.get('DTNB_LAUNCH') == '1'
+    return StepProgress(progress and is_main(), total, start, lines)
 
 # %% ../../nbs/05e_train.loop.ipynb #cc0a4a82
-def _check_args(accumulate, every, scheduler, scheduler_interval, val_every, val_interval, loader, step_fn, loss_fn,
-                keys, log_every=1):
+@dataclass
+class _Checkpoints:
+    "`fit`'s checkpoints of training state: where, every how many steps, how many kept, written in the background"
+    dir: object = None
+    every: int|None = None
+    keep: int|None = 2
+    async_save: bool = False
+    def due(self, step) -> bool: return self.dir is not None and bool(self.every) and step % self.every == 0
+
+@dataclass
+class _Validation:
+    "`fit`'s validation: the batches, the metrics, every how many 'epoch's or 'step's"
+    loader: object = None
+    metrics: object = None
+    every: int = 1
+    interval: str = 'epoch'
+    def due(self, interval, n): return self.loader is not None and interval == self.interval and n % self.every == 0
+
+def _check_args(accumulate, log_every, checkpoints, validation, scheduler, scheduler_interval, loader, step_fn,
+                loss_fn, keys):
     if accumulate < 1: raise ValueError(f"accumulate={accumulate} must be >= 1")
-    for name, v in (('every', every), ('val_every', val_every), ('log_every', log_every)):
+    for name, v in (('checkpoint_every', checkpoints.every), ('val_every', validation.every), ('log_every', log_every)):
         if v is not None and (not isinstance(v, int) or v < 1):
             raise ValueError(f"{name}={v!r} must be a whole number of steps >= 1")
-    for name, v in (('scheduler_interval', scheduler_interval), ('val_interval', val_interval)):
+    for name, v in (('scheduler_interval', scheduler_interval), ('val_interval', validation.interval)):
         if v not in ('step', 'epoch'): raise ValueError(f"{name}={v!r}: choose 'step' or 'epoch'")
     if scheduler is not None and scheduler_interval == 'epoch' and not hasattr(loader, '__len__'):
         raise ValueError("scheduler_interval='epoch' needs a loader with a length, so that an epoch has an end: give "
@@ -266,30 +207,42 @@ def _check_args(accumulate, every, scheduler, scheduler_interval, val_every, val
     if step_fn is not None and (loss_fn is not None or keys is not None):
         raise ValueError("step_fn computes the loss itself: pass step_fn, or loss_fn/keys, not both")
 
+def _check_setup(model, optimizer, loader, validation, kind, precision, device, step_fn):
+    "What `fit` checks of its model, loaders and optimizer before any work"
+    if kind == 'pipeline' and validation.loader is not None:
+        check_pipeline_validation(model, validation.metrics, validation.loader)
+    if kind == 'pipeline' and step_fn is not None:
+        raise ValueError("step_fn does not apply to a pipeline: its loss is computed on the last stage by the loss_fn "
+                         "given to apply_pipeline(model, loss_fn, ...); pass keys=(inputs, targets) for dict batches")
+    check_fp16(precision, device)
+    for l, what in ((loader, 'loader'), (validation.loader, 'val_loader')): check_loader(l, kind, what)
+    check_optimizer(model, optimizer)  # an optimizer built before sharding would silently train nothing
+
 def _check_lr_drop(first, optimizer, scheduler_interval):
     "Warn when a schedule stepped per step took the learning rate to almost nothing within the first epoch"
-    lr, first_lr = float(optimizer.param_groups[0]['lr']), first[0] if first else 0.0
+    lr, first_lr = float(optimizer.param_groups[0]['lr']), float(first[0]) if first else 0.0
     if scheduler_interval == 'step' and first_lr and lr < 1e-6 * first_lr:
         warnings.warn(f"the learning rate fell from {first_lr:.3g} to {lr:.3g} in the first epoch: a per-epoch "
                       "schedule (StepLR, ExponentialLR, ...) stepped after every step? pass scheduler_interval='epoch'",
-                      stacklevel=3)
+                      stacklevel=4)
 
-def _compile(model, strategy, options=None) -> list:
+def _compile(model, kind, options=None) -> list:
     "torch.compile each block of `model` in place (the whole model if it has none); returns the block names"
-    if strategy == 'pipeline': raise ValueError("compile=True does not apply to a pipeline: compile its stages")
-    m, options = model.module if strategy == 'ddp' else model, options or {}
+    if kind == 'pipeline': raise ValueError("compile=True does not apply to a pipeline: compile its stages")
+    m, options = model.module if kind == 'ddp' else model, options or {}
     blocks = find_blocks(m)
     for name in blocks: m.get_submodule(name).compile(**options)
     if not blocks: m.compile(**options)
     return blocks
 
+# %% ../../nbs/05e_train.loop.ipynb #aecf5fad
 @dataclass
 class FitState:
     "What a callback sees: model, optimizer, where training is, the history so far; set `stop` to end training"
     model: object
     optimizer: object
     result: FitResult
-    step: int = 0            # optimizer steps done, from the start of training
+    step: int = 0            # optimizer steps done, from the start of training: fit's one step counter
     epoch: int = 0           # epochs ended
     metrics: dict = field(default_factory=dict)  # the last validation: step, epoch, val_loss, metrics
     metric_names: list = field(default_factory=list)  # the names a validation reports (empty: no validation)
@@ -299,18 +252,146 @@ class FitState:
     @property
     def is_main(self) -> bool: return is_main()
 
-def _call(callbacks, hook, state):
-    for cb in callbacks or ():
-        if (f := getattr(cb, hook, None)) is not None: f(state)
+def _hooks(callbacks) -> dict:
+    "{hook: the callbacks' methods for it}, looked up once: a hook no callback has costs nothing per step"
+    return {h: [f for cb in callbacks or () if (f := getattr(cb, h, None)) is not None]
+            for h in ('on_fit_start', 'on_step_end', 'on_validation_end', 'on_fit_end')}
 
-def _agree_stop(state) -> bool:
-    "Whether any rank's callbacks asked to stop (one all-reduce); then every rank stops"
+def _any_rank(flag:bool) -> bool:
+    "Whether `flag` is true on any rank (one all-reduce when there are several)"
     import torch.distributed as dist
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([float(bool(state.stop))], device=current_device() if dist.get_backend() == 'nccl' else 'cpu')
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if t.item() and not state.stop: state.stop = 'another rank asked to stop'
-    return bool(state.stop)
+    if not (dist.is_initialized() and dist.get_world_size() > 1): return flag
+    t = torch.tensor([float(flag)], device=current_device() if dist.get_backend() == 'nccl' else 'cpu')
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+@dataclass
+class _Run:
+    "What the step, the epoch end, validation and saving of one `fit` call share"
+    state: FitState
+    loader: object
+    kind: str                 # how fit drives the model: 'ddp', 'fsdp', 'pipeline' or 'single'
+    device: torch.device
+    precision: str
+    loss_fn: object
+    step_fn: object
+    keys: tuple|None
+    accumulate: int
+    clip: float|None
+    scheduler: object
+    scheduler_interval: str
+    checkpoints: _Checkpoints
+    validation: _Validation
+    hooks: dict               # `_hooks(callbacks)`
+    log_every: int
+    scaler: object = None     # fp16's GradScaler
+    bar: object = None        # `_progress`
+    dp: int = 1               # data-parallel replicas: a step's samples are a rank's times dp
+    stoppable: bool = False   # some rank has callbacks: stop requests are agreed over the ranks
+    pending: dict = field(default_factory=lambda: dict(loss=[], norm=[], lr=[]))  # steps since the last flush
+    saving: object = None     # the last checkpoint's AsyncSave (a background save), waited for at the end
+    t0: float = 0.0
+
+    def forward(self, model, batch): return forward_loss(model, batch, self.loss_fn, self.step_fn, self.keys)
+    def call(self, hook):
+        for f in self.hooks[hook]: f(self.state)
+
+# %% ../../nbs/05e_train.loop.ipynb #a529a594
+def _flush(run):
+    "The steps since the last flush into the result: losses averaged over the ranks (one all-reduce), norms, lrs"
+    p, res = run.pending, run.state.result
+    res.losses += _step_losses(p['loss'], run.kind)
+    nan = torch.tensor(float('nan'))
+    res.grad_norms += [float(n) for n in torch.stack([nan.to(run.device) if n is None else n.detach().float()
+                                                      for n in p['norm']]).cpu()] if p['norm'] else []
+    res.lrs += [float(lr) for lr in p['lr']]
+    for v in p.values(): v.clear()
+
+def _agree_stop(run) -> bool:
+    "Whether any rank's callbacks asked to stop (one all-reduce, where some rank has callbacks); then every rank stops"
+    s = run.state
+    if run.stoppable and _any_rank(bool(s.stop)) and not s.stop: s.stop = 'another rank asked to stop'
+    return bool(s.stop)
+
+def _validate(run) -> bool:
+    "Validate on every rank, record it and tell the callbacks; returns whether to stop"
+    _flush(run)
+    s, v = run.state, run.validation
+    s.metrics = dict(step=s.step, epoch=s.epoch, **evaluate(s.model, v.loader, run.loss_fn, v.metrics,
+                     step_fn=run.step_fn, keys=run.keys, precision=run.precision))
+    s.result.validations.append(s.metrics)
+    run.call('on_validation_end')
+    return _agree_stop(run)
+
+def _save(run):
+    "Save the state of training at this step (a collective); a background save is waited for when fit ends"
+    _flush(run)
+    s, c = run.state, run.checkpoints
+    run.saving = _checkpoint(c.dir, s.step, s.model, s.optimizer, run.loader, run.scheduler, run.scaler, s.result,
+                             s.epoch, c.keep, c.async_save)
+
+def _step_group(run, group) -> tuple:
+    "Forward, backward and optimizer step on one group of micro-batches; returns (its loss, the gradient norm)"
+    m, opt = run.state.model, run.state.optimizer
+    if run.kind == 'pipeline':  # one step over the whole group: the pipeline splits it into its microbatches
+        return m.step(*pipeline_args(group, run.keys)), optimizer_step(m, opt, None, run.clip)
+    micro = [micro_step(m, b, run.forward, run.device, run.precision, run.scaler, run.accumulate,
+                         i == run.accumulate - 1)
+             for i, b in enumerate(group)]
+    loss = micro[0] if run.accumulate == 1 else sum(micro) / run.accumulate
+    return loss, optimizer_step(m, opt, run.scaler, run.clip)
+
+def _train_step(run, group) -> bool:
+    "One optimizer step and what follows it: history, callbacks, validation, checkpoint; returns whether to stop"
+    s, p = run.state, run.pending
+    group = [cast_batch(to_device(b, run.device, non_blocking=True), run.precision, run.keys) for b in group]
+    lr = s.optimizer.param_groups[0]['lr']
+    p['lr'].append(lr.detach().clone() if isinstance(lr, torch.Tensor) else lr)  # no host sync: read at the flush
+    loss, norm = _step_group(run, group)
+    if run.scheduler is not None and run.scheduler_interval == 'step': run.scheduler.step()
+    p['loss'].append(torch.as_tensor(loss).detach()); p['norm'].append(norm)
+    s.result.samples += sum(count_samples(b) for b in group) * run.dp
+    s.step += 1
+    run.bar.update(s.step, loss)
+    log = (s.step - s.result.start_step) % run.log_every == 0  # on every rank: flush and agreement are collectives
+    if log: _flush(run)
+    run.call('on_step_end')
+    stop = log and _agree_stop(run)
+    if not stop and run.validation.due('step', s.step): stop = _validate(run)
+    if run.checkpoints.due(s.step): _save(run)
+    return stop
+
+def _end_epoch(run) -> bool:
+    "The end of a pass over the loader: a per-epoch schedule steps, validation may run; returns whether to stop"
+    s = run.state
+    s.epoch += 1
+    if run.scheduler is not None and run.scheduler_interval == 'epoch': run.scheduler.step()
+    if run.scheduler is not None and s.epoch == 1:
+        _check_lr_drop(s.result.lrs[:1] or run.pending['lr'][:1], s.optimizer, run.scheduler_interval)
+    return run.validation.due('epoch', s.epoch) and _validate(run)
+
+def _restore(run) -> int:
+    "Resume from the newest checkpoint in the checkpoint directory, if any; returns the loader's epoch to go on in"
+    s, res, c = run.state, run.state.result, run.checkpoints
+    if c.dir is None: return 0
+    if not all(callable(getattr(run.loader, f, None)) for f in ('state_dict', 'load_state_dict')):
+        run.loader = resumable(run.loader)  # a loader that can say where it is
+    s.step, hist, res.resumed_from = _resume(c.dir, s.model, s.optimizer, run.loader, run.scheduler, run.scaler)
+    if not res.resumed_from: return 0
+    for k in (*_HISTORY, 'validations'): setattr(res, k, hist.get(k, []))
+    res.start_step, s.epoch = s.step, hist.get('epochs_done', 0)
+    if is_main(): print(f"fit: resumed from {res.resumed_from} at step {s.step}", flush=True)
+    return getattr(run.loader, 'epoch', 0)
+
+def _finish(run) -> FitResult:
+    "Save the last step if no checkpoint holds it yet, wait for background saves, complete the result"
+    s, res = run.state, run.state.result
+    if run.checkpoints.dir is not None and s.step > res.start_step and not run.checkpoints.due(s.step): _save(run)
+    if hasattr(run.saving, 'wait'): run.saving.wait()  # the last checkpoint is complete when fit returns
+    _flush(run); run.bar.close()
+    res.steps, res.seconds, res.stopped = s.step, time.perf_counter() - run.t0, s.stop
+    run.call('on_fit_end')
+    return res
 
 # %% ../../nbs/05e_train.loop.ipynb #2da09031
 def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a pipeline with `.step(x, y)`
@@ -318,19 +399,19 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
         optimizer:torch.optim.Optimizer,
         loss_fn=None,              # loss_fn(predictions, targets); None: the model's `.loss`, else mse_loss if it fits
         epochs:int=1,
-        max_steps:int|None=None,   # stop after this many optimizer steps
+        max_steps:int|None=None,   # stop after this many optimizer steps (counted from the start of training)
         accumulate:int=1,          # micro-batches per optimizer step
-        precision:str|None=None,   # a name of `PRECISIONS`: 'fp32' (None), 'bf16-mixed', 'fp16-mixed', 'bf16-true'
+        precision:str=DEFAULT_PRECISION,  # a name of `PRECISIONS`: 'fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true'
         clip:float|None=None,      # max gradient norm
         scheduler=None,            # a learning-rate scheduler, stepped every `scheduler_interval`
         progress:bool=True,        # progress on the main rank: a bar, or lines under launch/torchrun
-        checkpoint_dir=None,       # save checkpoints here, and resume from the newest complete one found here
-        every:int|None=None,       # save every `every` optimizer steps (and at the end); None: at the end only
-        keep:int|None=2,           # complete checkpoints to keep (None: all)
-        async_save:bool=False,     # write checkpoints in the background while training goes on
         *, step_fn=None,           # step_fn(model, batch) -> loss, or (loss, predictions, targets): any batch
         keys:tuple|None=None,      # dict batches: (input key, target key), e.g. ('image', 'label')
         scheduler_interval:str='step',  # step the scheduler after every 'step', or at the end of every 'epoch'
+        checkpoint_dir=None,       # save checkpoints here, and resume from the newest complete one found here
+        checkpoint_every:int|None=None,  # save every this many optimizer steps (and at the end); None: at the end
+        keep_checkpoints:int|None=2,     # complete checkpoints to keep (None: all)
+        async_save:bool=False,     # write checkpoints in the background while training goes on
         val_loader=None,           # validation batches (a `distributed_loader(..., shuffle=False)` under DDP/FSDP)
         metrics=None,              # metric(predictions, targets) callables (or torchmetrics objects): list or dict
         val_every:int=1,           # validate every `val_every` ...
@@ -340,97 +421,28 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
         compile:bool|dict=False,   # torch.compile each block, after wrapping; a dict: torch.compile's options
         ) -> FitResult:
     "Train `model` on `loader`; returns per-step losses (mean over ranks), lr, grad norm, validations and throughput"
-    _check_args(accumulate, every, scheduler, scheduler_interval, val_every, val_interval, loader, step_fn, loss_fn,
-                keys, log_every)
-    precision = _precision(model, precision)  # checks the name before any work
-    device, strategy = current_device(), _strategy_name(model)
-    if strategy == 'pipeline' and val_loader is not None: _check_pipeline_validation(model, metrics, val_loader)
-    if strategy == 'pipeline' and step_fn is not None:
-        raise ValueError("step_fn does not apply to a pipeline: its loss is computed on the last stage by the loss_fn "
-                         "given to apply_pipeline(model, loss_fn, ...); pass keys=(inputs, targets) for dict batches")
-    _check_fp16(precision, device)
-    for l, what in ((loader, 'loader'), (val_loader, 'val_loader')): _check_loader(l, strategy, what)
-    check_optimizer(model, optimizer)  # an optimizer built before sharding would silently train nothing
-    _place(model, optimizer, device, strategy)
-    if compile: _compile(model, strategy, compile if isinstance(compile, dict) else None)
-    scaler = torch.amp.GradScaler(device.type) if precision == 'fp16-mixed' else None
-    fwd = lambda m, b: _forward(m, b, loss_fn, step_fn, keys)
-    res, start, hist = FitResult(strategy=strategy), 0, {}
-    if checkpoint_dir is not None:
-        if not (callable(getattr(loader, 'state_dict', None)) and callable(getattr(loader, 'load_state_dict', None))):
-            loader = resumable(loader)
-        start, hist, res.resumed_from = _resume(checkpoint_dir, model, optimizer, loader, scheduler, scaler)
-        if res.resumed_from and is_main(): print(f"fit: resumed from {res.resumed_from} at step {start}", flush=True)
-    for k in (*_HISTORY, 'validations'): setattr(res, k, hist.get(k, []))
-    res.start_step, epoch = start, getattr(loader, 'epoch', 0) if res.resumed_from else 0
-    state = FitState(model, optimizer, res, start, hist.get('epochs_done', 0),
-                     metric_names=['val_loss', *_as_metrics(metrics)] if val_loader is not None else [],
-                     checkpoint_dir=checkpoint_dir)
-    skip_end = state.epoch > epoch  # the resumed epoch had ended (and been handled) before the checkpoint
-    bar = _progress(progress, loader, epochs, max_steps, accumulate, start)
-    pend, stats, samples, t0 = dict(loss=[], norm=[], lr=[]), dict(wait=0.0, steps=start), 0, time.perf_counter()
-    dp = getattr(model, 'data_parallel_size', None) or world_size()
-    step, saved, pending = start, start, None
+    checkpoints = _Checkpoints(checkpoint_dir, checkpoint_every, keep_checkpoints, async_save)
+    validation = _Validation(val_loader, metrics, val_every, val_interval)
+    _check_args(accumulate, log_every, checkpoints, validation, scheduler, scheduler_interval, loader, step_fn,
+                loss_fn, keys)
+    precision, device, kind = fit_precision(model, precision), current_device(), _kind(model)
+    _check_setup(model, optimizer, loader, validation, kind, precision, device, step_fn)
+    _place(model, optimizer, device, kind)
+    if compile: _compile(model, kind, compile if isinstance(compile, dict) else None)
 
-    def flush():  # this run's pending per-step values into the result, losses averaged over ranks (one all-reduce)
-        res.losses += _step_losses(pend['loss'], strategy)
-        nan = torch.tensor(float('nan'))
-        res.grad_norms += [float(n) for n in torch.stack([nan.to(device) if n is None else n.detach().float()
-                                                          for n in pend['norm']]).cpu()] if pend['norm'] else []
-        res.lrs += pend['lr']
-        for v in pend.values(): v.clear()
-    def save():
-        flush()
-        return _checkpoint(checkpoint_dir, step, model, optimizer, loader, scheduler, scaler, res, state.epoch, keep,
-                           async_save)
-    def validate():
-        flush()
-        state.metrics = dict(step=step, epoch=state.epoch, **evaluate(model, val_loader, loss_fn, metrics,
-                             step_fn=step_fn, keys=keys, precision=precision))
-        res.validations.append(state.metrics)
-        _call(callbacks, 'on_validation_end', state)
-        return _agree_stop(state)
+    state = FitState(model, optimizer, FitResult(strategy=_strategy(model)), checkpoint_dir=checkpoint_dir,
+                     metric_names=['val_loss', *as_metrics(metrics)] if val_loader is not None else [])
+    run = _Run(state, loader, kind, device, precision, loss_fn, step_fn, keys, accumulate, clip, scheduler,
+               scheduler_interval, checkpoints, validation, _hooks(callbacks), log_every,
+               scaler=torch.amp.GradScaler(device.type) if precision == 'fp16-mixed' else None,
+               dp=getattr(model, 'data_parallel_size', None) or world_size())
+    first = _restore(run)              # the loader's epoch to go on in (0 on a fresh start)
+    ended = state.epoch > first        # a checkpoint taken after that epoch's end was handled
+    run.bar = _progress(progress, run.loader, epochs, max_steps, accumulate, state.step)
+    run.stoppable, run.t0 = _any_rank(any(run.hooks.values())), time.perf_counter()
 
-    _call(callbacks, 'on_fit_start', state)
-    todo = max_steps is None or start < max_steps
-    for group in (_batches(loader, epochs - epoch, max_steps, accumulate, stats) if todo else []):
-        if group is None:  # the end of an epoch
-            if skip_end: skip_end = False; continue
-            state.epoch += 1
-            if scheduler is not None and scheduler_interval == 'epoch': scheduler.step()
-            if scheduler is not None and state.epoch == 1: _check_lr_drop(res.lrs[:1] or pend['lr'][:1], optimizer,
-                                                                          scheduler_interval)
-            if val_loader is not None and val_interval == 'epoch' and state.epoch % val_every == 0 and validate():
-                break
-            continue
-        skip_end = False
-        group = [_cast_inputs(to_device(b, device, non_blocking=True), precision, keys) for b in group]
-        pend['lr'].append(float(optimizer.param_groups[0]['lr']))
-        if strategy == 'pipeline':  # one step over the whole group: the pipeline splits it into its microbatches
-            step_loss = model.step(*_pipeline_args(group, keys))
-            pend['norm'].append(_opt_step(model, optimizer, None, clip))
-        else:
-            micro = [_micro_step(model, b, fwd, device, precision, scaler, accumulate, i == accumulate - 1)
-                     for i, b in enumerate(group)]
-            step_loss = micro[0] if accumulate == 1 else sum(micro) / accumulate
-            pend['norm'].append(_opt_step(model, optimizer, scaler, clip))
-        if scheduler is not None and scheduler_interval == 'step': scheduler.step()
-        pend['loss'].append(torch.as_tensor(step_loss).detach())
-        samples += sum(_batch_size(b) for b in group) * dp
-        step = state.step = step + 1
-        bar.update(step, step_loss)
-        log = (step - start) % log_every == 0  # on every rank, callbacks or not: both are collectives
-        if log: flush()
-        _call(callbacks, 'on_step_end', state)
-        if log and _agree_stop(state): break
-        if val_loader is not None and val_interval == 'step' and step % val_every == 0 and validate(): break
-        if checkpoint_dir is not None and every and step % every == 0: pending, saved = save(), step
-    if checkpoint_dir is not None and step > saved: pending = save()
-    if hasattr(pending, 'wait'): pending.wait()  # the last checkpoint is complete when fit returns
-    flush()
-    bar.close()
-    res.steps, res.samples, res.data_wait_s = step, samples, stats['wait']
-    res.seconds = time.perf_counter() - t0
-    res.stopped = state.stop
-    _call(callbacks, 'on_fit_end', state)
-    return res
+    run.call('on_fit_start')
+    done = lambda: max_steps is not None and state.step >= max_steps
+    for group in _batches(run.loader, epochs - first, accumulate, done, state.result, ended) if not done() else ():
+        if _train_step(run, group) if group is not None else _end_epoch(run): break
+    return _finish(run)

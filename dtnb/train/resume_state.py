@@ -8,7 +8,7 @@ Docs: https://dtnb-dev.github.io/dtnb/train.resume_state.html.md"""
 from __future__ import annotations
 import random
 import torch
-from ..launcher.processes import current_device
+from ..core.dist import current_device
 
 # %% auto #0
 __all__ = ['rng_state', 'set_rng_state', 'ResumableLoader', 'resumable']

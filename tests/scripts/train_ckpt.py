@@ -9,15 +9,17 @@ complete checkpoint. The main rank writes the final parameters to `--out` and pr
 import argparse, json, os, signal
 import torch
 from torch import nn
-from dtnb.launcher.processes import init_distributed, shutdown, rank, is_main, world_size
-from dtnb.parallel.ddp import wrap, distributed_loader
+from dtnb.launcher.processes import init_distributed, shutdown
+from dtnb.core.dist import rank, is_main, world_size
+from dtnb.parallel.ddp import distributed_loader
+from dtnb.parallel.wrap import wrap
 from dtnb.core.models import ToyModel, toy_data
 from dtnb.train.loop import fit
 from dtnb.train.export import export_model
 
 
 def train(steps=12, every=3, dir=None, out=None, kill_at=0, kill_rank=1) -> dict:
-    "Train DDP ToyModel for `steps` with checkpoints in `dir`; export the final parameters to `out`; returns what fit did"
+    "Train DDP ToyModel for `steps` with checkpoints in `dir`; export the final parameters to `out`: fit's result"
     init_distributed()
     attempt = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))
     torch.manual_seed(0)
@@ -34,7 +36,8 @@ def train(steps=12, every=3, dir=None, out=None, kill_at=0, kill_rank=1) -> dict
             os.kill(os.getpid(), signal.SIGKILL)
         return nn.functional.mse_loss(out + 0.05 * torch.randn_like(out), y)
 
-    res = fit(model, loader, opt, loss_fn, epochs=3, max_steps=steps, progress=False, checkpoint_dir=dir, every=every)
+    res = fit(model, loader, opt, loss_fn, epochs=3, max_steps=steps, progress=False, checkpoint_dir=dir,
+              checkpoint_every=every)
     export_model(out, model)
     return dict(attempt=attempt, world_size=world_size(), steps=res.steps, start_step=res.start_step,
                 resumed_from=res.resumed_from, losses=res.losses)
