@@ -36,7 +36,7 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=a.lr)
     loader = distributed_loader(toy_data(512), global_batch_size=a.global_batch, shuffle=False)
     res = fit(model, loader, opt, epochs=a.epochs, max_steps=a.steps, progress=False,
-              checkpoint_dir=a.checkpoint_dir, every=a.every)
+              checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.every)
     inner = getattr(model, 'module', model)
     checksum = sum(p.detach().double().sum().item() for p in inner.parameters())
     sha = hashlib.sha256(b''.join(p.detach().cpu().numpy().tobytes() for p in inner.parameters())).hexdigest()
