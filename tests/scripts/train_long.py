@@ -5,7 +5,8 @@ first step is done: the subject of the lost-peer tests (tests/test_cluster.py), 
 """
 import sys, time
 import torch
-from dtnb.launcher.processes import init_distributed, shutdown, rank
+from dtnb.launcher.processes import init_distributed, shutdown
+from dtnb.core.dist import rank
 from dtnb.parallel.ddp import wrap, distributed_loader
 from dtnb.core.models import ToyModel, toy_data
 from dtnb.train.loop import fit
