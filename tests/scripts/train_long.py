@@ -7,7 +7,8 @@ import sys, time
 import torch
 from dtnb.launcher.processes import init_distributed, shutdown
 from dtnb.core.dist import rank
-from dtnb.parallel.ddp import wrap, distributed_loader
+from dtnb.parallel.ddp import distributed_loader
+from dtnb.parallel.wrap import wrap
 from dtnb.core.models import ToyModel, toy_data
 from dtnb.train.loop import fit
 from dtnb.train.callbacks import Callback
