@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The two commands of the README:
+# The commands (the README names main and test):
 #   bash run.sh main   set up .venv and run the main job (dtnb report --quick, written to dtnb-report/)
 #   bash run.sh test   set up .venv, install mpirun and Chromium where it can (test_deps), run every test
 #                      (nbdev-test through tools/test_notebooks.sh, the docs site from its outputs, then pytest tests/)
+#                      but the namespace-host ones (markers cluster, cluster_long; DTNB_NO_CLUSTER=1 for the notebooks)
+#   bash run.sh test-long   those (minutes, as root: hosts made of network namespaces, a real SLURM, elastic
+#                      restarts, the cluster tutorial); installs iproute2, slurm-wlm and munge where it can
 # Setup is idempotent: a second run reuses .venv. TORCH_SPEC picks another torch (default: the 2.13.0 wheel,
 # the CPU build on machines that carry it; a GPU machine may set TORCH_SPEC=torch to get its CUDA build).
 set -euo pipefail
@@ -40,6 +43,19 @@ test_deps() {
 
 strip_outputs() { "$VENV/bin/python" tools/docs.py strip-outputs && "$VENV/bin/nbdev-clean"; }
 
+# What `run.sh test-long` needs besides: SLURM's daemons and clients and munge (tests/test_slurm.py, through
+# tools/slurm.sh; about 30 s of apt-get), installed the same way; without root the tests skip with the reason.
+slurm_deps() {
+  command -v slurmctld >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 &&
+    return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "run.sh: installing slurm-wlm munge with apt-get (for tests/test_slurm.py)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null) && return 0
+  fi
+  echo "run.sh: slurm-wlm munge not installed: run \`sudo apt-get install -y slurm-wlm munge\` for the SLURM tests"
+  [ "${DTNB_REQUIRE_TEST_DEPS:-0}" != 1 ] || exit 1
+}
+
 case "${1:-}" in
   setup) setup ;;
   main)  setup; "$VENV/bin/dtnb" report --quick --out dtnb-report ;;
@@ -48,9 +64,14 @@ case "${1:-}" in
          # The notebooks run once. nbdev-test keeps their outputs (--save), the docs site that tests/test_site.py checks
          # is rendered from them, then the outputs go again (notebooks are committed without outputs), also on failure.
          trap strip_outputs EXIT
-         NBDEV_TEST="$VENV/bin/nbdev-test" bash tools/test_notebooks.sh --save ${DTNB_NBDEV_TEST_ARGS:-}
+         DTNB_NO_CLUSTER=1 NBDEV_TEST="$VENV/bin/nbdev-test" bash tools/test_notebooks.sh --save ${DTNB_NBDEV_TEST_ARGS:-}
          "$VENV/bin/python" tools/docs.py build --no-exec
          strip_outputs; trap - EXIT
-         "$VENV/bin/pytest" tests/ -q ;;
-  *) echo "usage: bash run.sh main|test|setup" >&2; exit 2 ;;
+         "$VENV/bin/pytest" tests/ -q -m "not cluster and not cluster_long" ;;
+  test-long) setup  # minutes on namespace hosts (pytest markers cluster, cluster_long) and the cluster tutorial
+         test_deps
+         slurm_deps
+         "$VENV/bin/nbdev-test" --path-re "tutorials/cluster"
+         "$VENV/bin/pytest" tests/ -q -m "cluster or cluster_long" ;;
+  *) echo "usage: bash run.sh main|test|test-long|setup" >&2; exit 2 ;;
 esac

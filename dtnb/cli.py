@@ -10,7 +10,7 @@ import argparse, json, sys
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['parser', 'main']
+__all__ = ['LAUNCH_EPILOG', 'parser', 'main']
 
 # %% ../nbs/10_cli.ipynb #e8d45553
 def _env(args):
@@ -226,6 +226,20 @@ def _add_doctor(sub):
     d.add_argument('--json', action='store_true', help="print the report as JSON")
     d.set_defaults(func=_doctor)
 
+# %% ../nbs/10_cli.ipynb #be41ee21
+LAUNCH_EPILOG = """\
+several nodes: run the same command on each node (HOST: an address of the node that hosts the rendezvous)
+  dtnb launch -n 4 --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 --rdzv-id=JOB train.py
+
+elastic restarts:
+  --max-restarts=K   when a rank or a node fails, every node restarts its ranks (up to K times) and they
+                     rendezvous again; a node whose agent was killed rejoins when started again. With
+                     fit(checkpoint_dir=...) the ranks resume from the last complete checkpoint.
+  --nnodes=MIN:MAX   start once MIN nodes joined, admit up to MAX. With --max-restarts, a lost node no
+                     longer ends the job while MIN remain: the ranks restart with the new world size; a
+                     node that joins later makes them restart to take it in. --nnodes=N: MIN=MAX=N.
+  The node hosting the rendezvous (HOST) must stay up: it holds the rendezvous store."""
+
 # %% ../nbs/10_cli.ipynb #f9d14a9b
 def _shape(s):
     "An argparse type: '3,32,32' -> (3, 32, 32)"
@@ -242,8 +256,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument('--json', action='store_true', help="print the report as JSON")
     e.add_argument('--html', nargs='?', const='-', metavar='FILE', help="print (or write to FILE) a styled HTML page")
     e.set_defaults(func=_env)
-    l = sub.add_parser('launch', help="run a script on N local ranks through torchrun",
-                       usage="dtnb launch -n N [torchrun options] script.py [script args]")
+    l = sub.add_parser('launch', help="run a script on N local ranks through torchrun", epilog=LAUNCH_EPILOG,
+                       usage="dtnb launch -n N [torchrun options] script.py [script args]",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     l.add_argument('-n', '--nprocs', type=int, required=True, help="ranks on this node (torchrun --nproc-per-node)")
     l.add_argument('--dry-run', action='store_true', help="print the torchrun command instead of running it")
     l.add_argument('--peer-timeout', type=float, metavar='S', help="seconds a rank may go unheard before every rank "

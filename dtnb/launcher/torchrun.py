@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/launcher.torchrun.html.md"""
 
 # %% ../../nbs/02b_launcher.torchrun.ipynb #8721b66a
 from __future__ import annotations
-import os, sys, warnings
+import os, sys, socket, ipaddress, warnings
 from ..detection.device import usable_cores
 from .processes import free_port, check_launch_args, cpu_oversubscription
 from ..core.utils import accelerators
@@ -14,6 +14,30 @@ from .network import prepare_network, route_to
 
 # %% auto #0
 __all__ = ['torchrun_command']
+
+# %% ../../nbs/02b_launcher.torchrun.ipynb #6d167967
+def _local_address(host:str) -> bool:
+    "Whether `host` resolves to an address, not loopback, that one of this machine's interfaces holds"
+    import psutil
+    try: addr = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except socket.gaierror: return False  # a name this machine cannot resolve is not this machine
+    if ipaddress.ip_address(addr.split('%')[0]).is_loopback: return False
+    return any(a.address.split('%')[0] == addr for addrs in psutil.net_if_addrs().values() for a in addrs)
+
+def _option(args, name:str):
+    "The value of torchrun option `name` in `args` (`--name=v` or `--name v`, dashes or underscores), or None"
+    for i, a in enumerate(args):
+        if a.split('=')[0].replace('_', '-') == name:
+            return a.split('=', 1)[1] if '=' in a else (args[i + 1] if i + 1 < len(args) else '')
+    return None
+
+def _rdzv_host_args(torchrun_args) -> list:
+    "`['--rdzv-conf=is_host=1']` when the `--rdzv-endpoint` is an address of this machine (not loopback)"
+    ep = _option(torchrun_args, '--rdzv-endpoint')
+    if not ep or _option(torchrun_args, '--rdzv-conf') is not None: return []
+    if _option(torchrun_args, '--node-rank') not in (None, '0'): return []
+    host = ep.rsplit(':', 1)[0] if ep.count(':') == 1 or ep.startswith('[') else ep
+    return ['--rdzv-conf=is_host=1'] if _local_address(host.strip('[]')) else []
 
 # %% ../../nbs/02b_launcher.torchrun.ipynb #a5068d6c
 def _option(args, *names):
@@ -42,6 +66,7 @@ def torchrun_command(nprocs:int, script:str, script_args=(), torchrun_args=()) -
     given = {a.split('=')[0].replace('_', '-') for a in torchrun_args}
     if not given & {o.replace('_', '-') for o in _RDZV_OPTS}:  # rendezvous on loopback
         cmd += ['--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{free_port()}', '--local-addr=127.0.0.1']
+    cmd += _rdzv_host_args(torchrun_args)
     if '--nnodes' not in given: cmd.append('--nnodes=1')
     env = dict(TORCH_DISABLE_SHARE_RDZV_TCP_STORE='1',  # restarted groups get a fresh store port (gloo restarts)
                OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', str(max(1, usable_cores() // nprocs))))

@@ -1,0 +1,76 @@
+"""A real SLURM on one machine for tests and tutorials: `tools/slurm.sh` (munged, slurmctld on host 1, one slurmd per
+namespace host of `tools/cluster.sh`) driven from Python. Nodes are host1..hostN at 10.77.0.1..N.
+
+    with SlurmCluster(2) as s:
+        job = s.sbatch('examples/slurm.sbatch', '--steps', '6', env=env, output='/tmp/job-%j.out')
+        s.wait(job)                      # until it left the queue; s.state(job) while it runs
+"""
+import os, shutil, subprocess, time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / 'tools' / 'slurm.sh'
+DAEMONS = ('munged', 'slurmctld', 'slurmd', 'sbatch', 'srun', 'scontrol')
+
+
+def slurm_unavailable():
+    "Why SLURM cannot be started here, or None when it can"
+    from cluster import cluster_unavailable
+    if (why := cluster_unavailable()): return why
+    if (miss := [c for c in DAEMONS if shutil.which(c) is None]):
+        return (f"no {', '.join(miss)}: install with `apt-get install -y slurm-wlm munge` "
+                "(`bash run.sh test-long` does as root)")
+    return None
+
+
+class SlurmCluster:
+    "SLURM on `n` namespace hosts, `cpus` CPUs each; `down()` (or leaving the `with`) stops it and removes its folder"
+    def __init__(self, n:int=2, cpus:int=1):
+        r = subprocess.run(['bash', str(SCRIPT), 'up', str(n), '--cpus', str(cpus)], capture_output=True, text=True,
+                           timeout=90)
+        if r.returncode: raise RuntimeError(f"slurm.sh up {n}: {r.stderr.strip()}")
+        self.n, self.dir = n, Path(r.stdout.strip().splitlines()[-1])
+        self.conf = self.dir / 'slurm.conf'
+
+    def argv(self, argv, host:int=1) -> list[str]:
+        "The command line that runs `argv` on `host` with this SLURM's configuration"
+        return ['bash', str(SCRIPT), 'exec', str(self.dir), str(host), '--', *map(str, argv)]
+
+    def run(self, *argv, host:int=1, env=None, check=True, timeout=60) -> str:
+        "Run a client command (`sinfo`, `scontrol ...`) on `host`; its stdout"
+        r = subprocess.run(self.argv(argv, host), capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+        if check and r.returncode: raise RuntimeError(f"{' '.join(map(str, argv))}: {r.stderr.strip()}")
+        return r.stdout
+
+    def sbatch(self, script, *args, env=None, output=None, options=()) -> int:
+        "Submit `script args...` from the repository root; its job id"
+        out = ['-o', str(output)] if output else []
+        return int(self.run('sbatch', '--parsable', *out, *options, script, *args, env=env).strip().split(';')[0])
+
+    def state(self, job:int) -> str:
+        "The job's state ('PENDING', 'RUNNING', ...), or '' once it left the queue"
+        return self.run('squeue', '-h', '-j', job, '-o', '%T', check=False).strip()
+
+    def wait(self, job:int, timeout:float=300, until=lambda s: s == ''):
+        "Poll until `until(state)` (default: the job left the queue); the last state"
+        end = time.monotonic() + timeout
+        while not until(s := self.state(job)):
+            if time.monotonic() > end: raise TimeoutError(f"job {job} still {s} after {timeout}s")
+            time.sleep(0.5)
+        return s
+
+    def requeue(self, job:int):
+        "`scontrol requeue` the job, then lift the start delay (about 2 minutes) SLURM gives a requeued job"
+        self.run('scontrol', 'requeue', job)
+        self.run('scontrol', 'update', f'jobid={job}', 'StartTime=now')
+
+    def down(self):
+        if self.dir and self.dir.exists():
+            subprocess.run(['bash', str(SCRIPT), 'down', str(self.dir)], capture_output=True, timeout=60)
+        self.dir = None
+
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.down()
+    def __del__(self):  # a notebook cell that failed before its down(): the kernel's exit stops the daemons
+        try: self.down()
+        except Exception: pass
