@@ -2,7 +2,7 @@
 # The suite once more on a torch that users install, in a venv of its own (CI: .ci/run):
 #   bash tools/test_torch_build.sh PYTHON TORCH_SPEC [VENV]
 #   e.g. python3.12 torch          PyPI's default build of the newest torch: the CUDA one, also without a GPU
-#        python3.10 "torch==2.10"  the oldest torch pyproject.toml declares (torch>=2.10), on the oldest Python
+#        python3.10 "torch==2.13"  the oldest torch pyproject.toml declares (torch>=2.13), on the oldest Python
 # torch comes from PyPI as `pip install torch` gives it: PIP_FIND_LINKS and the pip configuration (which point some
 # machines at a local CPU wheel) are left out for that one install.
 # pytest only, not nbdev-test: what differs between torch builds is the state of the process (autograd's device
