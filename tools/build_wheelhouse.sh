@@ -33,7 +33,9 @@ dest, have = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 norm = lambda n: re.sub(r'[-_.]+', '-', n).lower()
 name = lambda req: norm(re.split(r'[=<>~!; @\[]', req.strip(), maxsplit=1)[0])
 names = {name(l) for l in have.read_text().splitlines() if l.strip() and not l.startswith('#')}
-import tomllib  # the build requirements stay: pip builds dtnb in an isolated env that sees no installed package
+try: import tomllib  # Python 3.11+; pip vendors the same parser for 3.10
+except ImportError: from pip._vendor import tomli as tomllib
+# the build requirements stay: pip builds dtnb in an isolated env that sees no installed package
 names -= {name(r) for r in tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']}
 gone = [w for w in sorted(dest.glob('*.whl')) if norm(w.name.split('-')[0]) in names]
 for w in gone: w.unlink()

@@ -48,7 +48,8 @@ STEPS_DRY="install:5 env:10 nvidia_smi:3 gpu_bench:20 report:25 cuda_cells:35 cu
 
 requirements() {  # from pyproject.toml: build requirements, dependencies and the nvml/safetensors/dev extras
   "$PY" - <<'EOF'
-import tomllib
+try: import tomllib  # Python 3.11+; pip vendors the same parser for 3.10
+except ImportError: from pip._vendor import tomli as tomllib
 t = tomllib.load(open('pyproject.toml', 'rb'))
 p, x = t['project'], t['project']['optional-dependencies']
 skip = ('torch', 'playwright')  # torch: the GPU machine's own build; playwright: only the docs-site test uses it
