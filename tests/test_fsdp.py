@@ -180,19 +180,20 @@ def fit_fsdp(accumulate, clip, **options):
     r = fit(model, distributed_loader(toy_data(256), global_batch_size=16 // accumulate, shuffle=False),
             make_opt(model, 'adamw'),
             accumulate=accumulate, clip=clip, max_steps=5, progress=False)
-    return r.losses, r.strategy, {k: p.full_tensor() for k, p in model.named_parameters()}
+    return r.losses, r.strategy, {k: p.full_tensor() for k, p in model.named_parameters()}, r.grad_norms
 
 
 @pytest.mark.parametrize('accumulate,clip,options', [(1, None, {}), (2, 0.5, {}), (2, 0.5,
     dict(reshard_after_forward=False, mesh=(2, 1)))])
 def test_fit_runs_fsdp_unchanged(accumulate, clip, options):
-    "dtnb.train.loop.fit on an FSDP model: the losses and parameters of the same fit in one process"
+    "dtnb.train.loop.fit on an FSDP model: the losses, gradient norms and parameters of the same fit in one process"
     from dtnb.train.loop import fit
     torch.manual_seed(0)
     model = ToyModel()
     one = fit(model, torch.utils.data.DataLoader(toy_data(256), batch_size=16 // accumulate), make_opt(model, 'adamw'),
               accumulate=accumulate, clip=clip, max_steps=5, progress=False)
-    for losses, strategy, params in launch(fit_fsdp, accumulate, clip, nprocs=2, **options):
+    for losses, strategy, params, norms in launch(fit_fsdp, accumulate, clip, nprocs=2, **options):
         assert strategy == 'fsdp'
         assert max(abs(a - b) for a, b in zip(losses, one.losses)) < 1e-5
+        assert len(norms) == 5 and max(abs(a - b) / b for a, b in zip(norms, one.grad_norms)) < 1e-5, (norms, one)
         assert max_diff(params, dict(model.named_parameters())) < 1e-4

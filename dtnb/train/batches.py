@@ -15,9 +15,9 @@ from ..core.utils import to_device, tree_map_tensors, tensors, autocast, cast_in
 from ..parallel.pipeline_split import output_logits  # a Hugging Face output's .logits
 
 # %% auto #0
-__all__ = ['cast_batch', 'forward_loss', 'count_samples', 'fit_precision', 'gradient_sync', 'micro_step', 'grad_norm',
-           'optimizer_step', 'as_metrics', 'pipeline_args', 'check_pipeline_validation', 'evaluate', 'check_loader',
-           'check_fp16']
+__all__ = ['cast_batch', 'forward_loss', 'count_samples', 'fit_precision', 'gradient_sync', 'micro_step', 'ShardNorm',
+           'grad_norm', 'optimizer_step', 'as_metrics', 'pipeline_args', 'check_pipeline_validation', 'evaluate',
+           'check_loader', 'check_fp16']
 
 # %% ../../nbs/05_train.batches.ipynb #f10a5c99
 _REGRESSION = (nn.functional.mse_loss, nn.functional.l1_loss, nn.functional.smooth_l1_loss, nn.functional.huber_loss)
@@ -127,19 +127,32 @@ def micro_step(model, batch, fwd, device, precision, scaler, accumulate, last):
         (scaler.scale(l) if scaler is not None else l).backward()
     return loss.detach()
 
-def grad_norm(model, clip):
+class ShardNorm:
+    "This rank's part of a gradient norm: the sum of squares of the gradient shards it holds (summed over the ranks)"
+    def __init__(self, sq): self.sq = sq
+
+def _shard_sq(grads):
+    "This rank's sum of squared gradients when each is a DTensor sharded over all ranks of a 1-D mesh, else None"
+    ws = world_size()
+    for g in grads:
+        if type(g).__name__ != 'DTensor' or g.device_mesh.ndim != 1 or g.device_mesh.size() != ws: return None
+        if not g.placements[0].is_shard(): return None
+    return torch.nn.utils.get_total_norm([g.to_local() for g in grads]).float().square() if grads else None
+
+def grad_norm(model, clip, params=None, lazy:bool=False):
     "The gradient norm over the whole model before clipping, clipping to `clip` if given (None: a pipeline, no clip)"
     if hasattr(model, 'clip_grad_norm_'):  # a pipeline: the norm over all its stages (a collective)
         return model.clip_grad_norm_(clip) if clip is not None else None
-    params = [p for p in model.parameters() if p.grad is not None]
-    n = (torch.nn.utils.get_total_norm([p.grad for p in params]) if clip is None
-         else torch.nn.utils.clip_grad_norm_(params, clip))
+    params = [p for p in (model.parameters() if params is None else params) if p.grad is not None]
+    grads = [p.grad for p in params]
+    if clip is None and lazy and (sq := _shard_sq(grads)) is not None: return ShardNorm(sq)  # no collective now
+    n = torch.nn.utils.get_total_norm(grads) if clip is None else torch.nn.utils.clip_grad_norm_(params, clip)
     return n.full_tensor() if hasattr(n, 'full_tensor') else n
 
-def optimizer_step(model, optimizer, scaler, clip):
-    "Unscale, clip, step and zero the gradients; returns the gradient norm before clipping"
+def optimizer_step(model, optimizer, scaler, clip, params=None, lazy:bool=False):
+    "Unscale, clip, step and zero the gradients; returns the gradient norm before clipping (`lazy`: or a `ShardNorm`)"
     if scaler is not None: scaler.unscale_(optimizer)
-    norm = grad_norm(model, clip)
+    norm = grad_norm(model, clip, params, lazy)
     if scaler is not None: scaler.step(optimizer); scaler.update()
     else: optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -14,6 +14,7 @@ from ..core.dist import world_size, is_main, current_device
 from ..core.utils import md_table, text_table, to_device, StepProgress, DEFAULT_PRECISION
 from .batches import cast_batch, forward_loss, count_samples, check_loader, check_fp16, as_metrics, evaluate
 from .batches import pipeline_args, check_pipeline_validation, fit_precision, micro_step, optimizer_step
+from .batches import ShardNorm
 from ..core.models import find_blocks
 from ..parallel.fsdp import check_optimizer
 from .resume_state import resumable
@@ -79,8 +80,7 @@ def _batches(loader, passes, accumulate, done, result, ended=False):
             t = time.perf_counter()
             try: b = next(it)
             except StopIteration: break
-            result.data_wait_s += time.perf_counter() - t
-            group.append(b); served += 1
+            result.data_wait_s += time.perf_counter() - t; group.append(b); served += 1
             if len(group) == accumulate:
                 yield group; group = []
                 if done():
@@ -100,15 +100,19 @@ def _strategy(model) -> str:
     "The strategy applied to `model`: the name given to `wrap` ('zero1', 'zero3'...), else what `fit` drives"
     return getattr(model, '_dtnb_strategy', None) or _kind(model)
 
-def _step_losses(losses, kind) -> list:
-    "Per-step losses as floats, averaged over the data-parallel ranks with one all-reduce (a pipeline's: as they are)"
-    if not losses or kind == 'pipeline': return [float(l) for l in losses]
+def _reduce(losses, norms, kind) -> tuple[list, list]:
+    "Per-step losses averaged over the data-parallel ranks, gradient norms (`ShardNorm`s summed): one all-reduce"
     import torch.distributed as dist
-    t = torch.stack(losses).detach().float()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = t.to(current_device()) if dist.get_backend() == 'nccl' else t.cpu()
-        dist.all_reduce(t); t /= dist.get_world_size()
-    return t.cpu().tolist()
+    dev, k, shard = current_device(), len(losses), [i for i, n in enumerate(norms) if isinstance(n, ShardNorm)]
+    full = torch.stack([torch.full((), float('nan'), device=dev) if n is None else getattr(n, 'sq', n).detach().float()
+                        for n in norms]).cpu() if norms else torch.zeros(0)  # one read of the device
+    if kind == 'pipeline': return [float(l) for l in losses], full.tolist()  # the whole batch's already
+    t = torch.cat([torch.stack(losses).detach().float().reshape(-1).cpu() if k else full[:0], full[shard]])
+    if dist.is_initialized() and dist.get_world_size() > 1:  # gloo reduces on the CPU, nccl on the device
+        dist.all_reduce(t := t.to(dev) if dist.get_backend() == 'nccl' else t)
+        t = t.cpu(); t[:k] /= dist.get_world_size()
+    full[shard] = t[k:].sqrt()
+    return t[:k].tolist(), full.tolist()
 
 # %% ../../nbs/05e_train.loop.ipynb #c012
 _HISTORY = ('losses', 'lrs', 'grad_norms')
@@ -162,8 +166,7 @@ def _place(model, optimizer, device, kind):
     if not params or all(there(p.device) for p in params): return
     if any(len(st) for st in optimizer.state.values()):
         raise ValueError(f"the model is on {params[0].device} but batches go to {device}, and the optimizer already "
-                         f"has state there: move the model with model.to({str(device)!r}) before building the "
-                         "optimizer")
+                         f"has state: move the model with model.to({str(device)!r}) before building the optimizer")
     model.to(device)
 
 def _progress(progress, loader, epochs, max_steps, accumulate, start=0, lines=None) -> StepProgress:
@@ -289,6 +292,7 @@ class _Run:
     dp: int = 1               # data-parallel replicas: a step's samples are a rank's times dp
     stoppable: bool = False   # some rank has callbacks: stop requests are agreed over the ranks
     pending: dict = field(default_factory=lambda: dict(loss=[], norm=[], lr=[]))  # steps since the last flush
+    params: list|None = None  # the model's parameters, listed once (None: a pipeline)
     saving: object = None     # the last checkpoint's AsyncSave (a background save), waited for at the end
     t0: float = 0.0
 
@@ -300,11 +304,8 @@ class _Run:
 def _flush(run):
     "The steps since the last flush into the result: losses averaged over the ranks (one all-reduce), norms, lrs"
     p, res = run.pending, run.state.result
-    res.losses += _step_losses(p['loss'], run.kind)
-    nan = torch.tensor(float('nan'))
-    res.grad_norms += [float(n) for n in torch.stack([nan.to(run.device) if n is None else n.detach().float()
-                                                      for n in p['norm']]).cpu()] if p['norm'] else []
-    res.lrs += [float(lr) for lr in p['lr']]
+    losses, norms = _reduce(p['loss'], p['norm'], run.kind) if p['loss'] else ([], [])
+    res.losses += losses; res.grad_norms += norms; res.lrs += [float(lr) for lr in p['lr']]
     for v in p.values(): v.clear()
 
 def _agree_stop(run) -> bool:
@@ -334,12 +335,12 @@ def _step_group(run, group) -> tuple:
     "Forward, backward and optimizer step on one group of micro-batches; returns (its loss, the gradient norm)"
     m, opt = run.state.model, run.state.optimizer
     if run.kind == 'pipeline':  # one step over the whole group: the pipeline splits it into its microbatches
-        return m.step(*pipeline_args(group, run.keys)), optimizer_step(m, opt, None, run.clip)
+        return m.step(*pipeline_args(group, run.keys)), optimizer_step(m, opt, None, run.clip, lazy=True)
     micro = [micro_step(m, b, run.forward, run.device, run.precision, run.scaler, run.accumulate,
                          i == run.accumulate - 1)
              for i, b in enumerate(group)]
     loss = micro[0] if run.accumulate == 1 else sum(micro) / run.accumulate
-    return loss, optimizer_step(m, opt, run.scaler, run.clip)
+    return loss, optimizer_step(m, opt, run.scaler, run.clip, run.params, lazy=True)
 
 def _train_step(run, group) -> bool:
     "One optimizer step and what follows it: history, callbacks, validation, checkpoint; returns whether to stop"
@@ -435,7 +436,8 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
     run = _Run(state, loader, kind, device, precision, loss_fn, step_fn, keys, accumulate, clip, scheduler,
                scheduler_interval, checkpoints, validation, _hooks(callbacks), log_every,
                scaler=torch.amp.GradScaler(device.type) if precision == 'fp16-mixed' else None,
-               dp=getattr(model, 'data_parallel_size', None) or world_size())
+               dp=getattr(model, 'data_parallel_size', None) or world_size(),
+               params=list(model.parameters()) if isinstance(model, nn.Module) else None)
     first = _restore(run)              # the loader's epoch to go on in (0 on a fresh start)
     ended = state.epoch > first        # a checkpoint taken after that epoch's end was handled
     run.bar = _progress(progress, run.loader, epochs, max_steps, accumulate, state.step)

@@ -1,0 +1,87 @@
+"""`fit` beside a plain hand-written loop: one process, DDP on 2 ranks, FSDP on 2 ranks. Prints figures; not a test.
+
+Target (issue 27): steps/s through `fit` at least 0.97 x the plain loop for each setting.
+Both drive the same wrapped model, optimizer and `distributed_loader` (a 4-block MLP, 64 -> 256 -> 8, batch 32 per
+rank, AdamW, one torch thread per rank). Each round runs `fit(..., max_steps=steps, progress=False)` and the plain
+loop once each, in alternating order (a barrier before and after each), so that load from other processes falls on
+both alike; the ratio of each round is taken and the median over rounds printed.
+    python benchmarks/bench_fit.py [--steps 120] [--rounds 7] [--only single,ddp,fsdp]
+"""
+import argparse, statistics, time
+import torch
+import torch.nn.functional as F
+import torch.distributed.fsdp  # once in the parent: forked ranks inherit it
+from dtnb.launcher.processes import launch
+from dtnb.parallel.ddp import distributed_loader
+from dtnb.parallel.wrap import wrap
+from dtnb.core.models import ToyModel, toy_data
+from dtnb.core.dist import barrier, world_size, current_device
+from dtnb.train.loop import fit
+
+
+def plain_loop(model, loader, opt, steps, device):
+    "What a user writes by hand: forward, loss, backward, step, zero; the loss kept on the device"
+    losses = []
+    for i, (x, y) in enumerate(loader):
+        if i == steps: break
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step(); opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses
+
+
+def rounds(strategy, steps, n_rounds, warmup=20):
+    "Steps/s of fit and of the plain loop in each of `n_rounds` interleaved rounds: [(fit, plain), ...]"
+    torch.manual_seed(0)
+    model = wrap(ToyModel(d_in=64, d=256, depth=4, d_out=8), strategy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = distributed_loader(toy_data(32 * world_size() * steps, d_in=64, d_out=8), batch_size=32, shuffle=False)
+    device = current_device()
+    run = dict(fit=lambda n: fit(model, loader, opt, max_steps=n, progress=False),
+               plain=lambda n: plain_loop(model, loader, opt, n, device))
+    for f in run.values(): f(warmup)
+    out = []
+    for r in range(n_rounds):
+        t = {}
+        for name in (('fit', 'plain') if r % 2 else ('plain', 'fit')):
+            barrier(); t0 = time.perf_counter()
+            run[name](steps)
+            barrier(); t[name] = steps / (time.perf_counter() - t0)
+        out.append((t['fit'], t['plain']))
+    return out
+
+
+def _ranked(strategy, steps, n_rounds):
+    import gc
+    r = rounds(strategy, steps, n_rounds)
+    gc.collect(); barrier()  # drop the model before the group ends (gloo's exit abort)
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument('--steps', type=int, default=120); ap.add_argument('--rounds', type=int, default=7)
+    ap.add_argument('--only', default='single,ddp,fsdp')
+    a = ap.parse_args()
+    rows = []
+    for setting in a.only.split(','):
+        if setting == 'single':
+            n = torch.get_num_threads(); torch.set_num_threads(1)
+            try: res = rounds('single', a.steps, a.rounds)
+            finally: torch.set_num_threads(n)
+        else: res = launch(_ranked, setting, a.steps, a.rounds, nprocs=2, threads=1)[0]
+        ratio = statistics.median(f / p for f, p in res)
+        fit_s, plain_s = statistics.median(f for f, _ in res), statistics.median(p for _, p in res)
+        rows.append((setting, fit_s, plain_s, ratio, 1e3 * (1 / fit_s - 1 / plain_s),
+                     ' '.join(f"{f / p:.3f}" for f, p in res)))
+    print(f"fit vs a plain loop: ToyModel 64->256->8, 4 blocks, batch 32 per rank, AdamW, {a.steps} steps, "
+          f"median of {a.rounds} interleaved rounds, one thread per rank")
+    print(f"{'setting':8} {'fit steps/s':>12} {'plain steps/s':>14} {'ratio':>6} {'ms/step':>8}  rounds")
+    for s, f, p, r, ms, each in rows:
+        print(f"{s:8} {f:12.1f} {p:14.1f} {r:6.3f} {ms:+8.2f}  {each}")
+
+
+if __name__ == '__main__':
+    main()
