@@ -149,10 +149,10 @@ def grad_norm(model, clip, params=None, lazy:bool=False):
     n = torch.nn.utils.get_total_norm(grads) if clip is None else torch.nn.utils.clip_grad_norm_(params, clip)
     return n.full_tensor() if hasattr(n, 'full_tensor') else n
 
-def optimizer_step(model, optimizer, scaler, clip, params=None, lazy:bool=False):
+def optimizer_step(model, optimizer, scaler, clip, params=None, lazy:bool=False, measure:bool=True):
     "Unscale, clip, step and zero the gradients; returns the gradient norm before clipping (`lazy`: or a `ShardNorm`)"
     if scaler is not None: scaler.unscale_(optimizer)
-    norm = grad_norm(model, clip, params, lazy)
+    norm = grad_norm(model, clip, params, lazy) if measure or clip is not None else None  # None: not measured
     if scaler is not None: scaler.step(optimizer); scaler.update()
     else: optimizer.step()
     optimizer.zero_grad(set_to_none=True)

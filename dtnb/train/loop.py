@@ -37,7 +37,7 @@ class FitResult:
     start_step: int = 0       # the step this run started from (> 0 when it resumed from a checkpoint)
     resumed_from: str = ''    # the checkpoint it resumed from
     lrs: list = field(default_factory=list)          # learning rate of each step (the first parameter group's)
-    grad_norms: list = field(default_factory=list)   # gradient norm of each step, before clipping
+    grad_norms: list = field(default_factory=list)   # gradient norm before clipping (NaN: not measured)
     validations: list = field(default_factory=list)  # one dict per validation: step, epoch, val_loss, metrics
     stopped: str = ''         # why training stopped early (a callback's reason), if it did
 
@@ -49,7 +49,7 @@ class FitResult:
     def history(self, start:int=0) -> list:
         "One dict per step from index `start`: step, loss, lr, grad_norm, and the metrics of a validation at that step"
         val = {v['step']: {k: x for k, x in v.items() if k not in ('step', 'epoch')} for v in self.validations}
-        at = lambda xs, i: xs[i] if i < len(xs) else None
+        at = lambda xs, i: xs[i] if i < len(xs) and xs[i] == xs[i] else None  # NaN: not measured
         return [dict(step=i + 1, loss=self.losses[i], lr=at(self.lrs, i), grad_norm=at(self.grad_norms, i),
                      **val.get(i + 1, {})) for i in range(start, len(self.losses))]
 
@@ -331,8 +331,8 @@ def _save(run):
     run.saving = _checkpoint(c.dir, s.step, s.model, s.optimizer, run.loader, run.scheduler, run.scaler, s.result,
                              s.epoch, c.keep, c.async_save)
 
-def _step_group(run, group) -> tuple:
-    "Forward, backward and optimizer step on one group of micro-batches; returns (its loss, the gradient norm)"
+def _step_group(run, group, measure) -> tuple:
+    "Forward, backward and optimizer step on one group of micro-batches; returns (its loss, the gradient norm or None)"
     m, opt = run.state.model, run.state.optimizer
     if run.kind == 'pipeline':  # one step over the whole group: the pipeline splits it into its microbatches
         return m.step(*pipeline_args(group, run.keys)), optimizer_step(m, opt, None, run.clip, lazy=True)
@@ -340,7 +340,7 @@ def _step_group(run, group) -> tuple:
                          i == run.accumulate - 1)
              for i, b in enumerate(group)]
     loss = micro[0] if run.accumulate == 1 else sum(micro) / run.accumulate
-    return loss, optimizer_step(m, opt, run.scaler, run.clip, run.params, lazy=True)
+    return loss, optimizer_step(m, opt, run.scaler, run.clip, run.params, lazy=True, measure=measure)
 
 def _train_step(run, group) -> bool:
     "One optimizer step and what follows it: history, callbacks, validation, checkpoint; returns whether to stop"
@@ -348,13 +348,13 @@ def _train_step(run, group) -> bool:
     group = [cast_batch(to_device(b, run.device, non_blocking=True), run.precision, run.keys) for b in group]
     lr = s.optimizer.param_groups[0]['lr']
     p['lr'].append(lr.detach().clone() if isinstance(lr, torch.Tensor) else lr)  # no host sync: read at the flush
-    loss, norm = _step_group(run, group)
+    log = (s.step + 1 - s.result.start_step) % run.log_every == 0  # on every rank: the flush is a collective
+    loss, norm = _step_group(run, group, log)  # the gradient norm: measured with clip, else on the steps logged
     if run.scheduler is not None and run.scheduler_interval == 'step': run.scheduler.step()
     p['loss'].append(torch.as_tensor(loss).detach()); p['norm'].append(norm)
     s.result.samples += sum(count_samples(b) for b in group) * run.dp
     s.step += 1
     run.bar.update(s.step, loss)
-    log = (s.step - s.result.start_step) % run.log_every == 0  # on every rank: flush and agreement are collectives
     if log: _flush(run)
     run.call('on_step_end')
     stop = log and _agree_stop(run)
@@ -418,7 +418,7 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
         val_every:int=1,           # validate every `val_every` ...
         val_interval:str='epoch',  #   ... 'epoch's or 'step's
         callbacks=(),              # objects with on_fit_start/on_step_end/on_validation_end/on_fit_end(state)
-        log_every:int=10,          # history up to date and callbacks' stop requests agreed every `log_every` steps
+        log_every:int=10,          # every this many steps: history flushed, grad norm measured (no clip), stops agreed
         compile:bool|dict=False,   # torch.compile each block, after wrapping; a dict: torch.compile's options
         ) -> FitResult:
     "Train `model` on `loader`; returns per-step losses (mean over ranks), lr, grad norm, validations and throughput"
