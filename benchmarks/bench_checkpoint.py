@@ -36,7 +36,17 @@ def _bench(root, d, depth, repeats):
             barrier(); t = time.perf_counter(); fn(i); barrier(); out.append(time.perf_counter() - t)
         return statistics.median(out)
     r = {}
-    r['save'] = timed(lambda i: save_checkpoint(checkpoint_path(root / 'dtnb', i), model, opt, step=i, keep=1))
+    sd = state_dicts(model, opt)[0]
+    def pair(a, b):
+        "Interleaved runs of a and b (which goes first alternates): the median time of each, the median ratio a/b"
+        ta, tb = [], []
+        for i in range(repeats):
+            for f, out in ((a, ta), (b, tb))[::(1 if i % 2 else -1)]:
+                barrier(); t = time.perf_counter(); f(i); barrier(); out.append(time.perf_counter() - t)
+        return statistics.median(ta), statistics.median(tb), statistics.median(x / y for x, y in zip(ta, tb))
+    r['save'], r['dcp'], r['save_ratio'] = pair(
+        lambda i: save_checkpoint(checkpoint_path(root / 'dtnb', i), model, opt, step=i, keep=1),
+        lambda i: dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(root / f'dcp_{i}'))))
     def plain(i):
         if rank() == 0:
             torch.save(dict(model=model.module.state_dict(), optim=opt.state_dict()), root / f'plain_{i}.pt')
@@ -46,8 +56,6 @@ def _bench(root, d, depth, repeats):
             with open(root / f'plain_sync_{i}.pt', 'wb') as f:
                 torch.save(dict(model=model.module.state_dict(), optim=opt.state_dict()), f); f.flush(); os.fsync(f.fileno())
     r['torch_save_fsync'] = timed(plain_fsync)
-    sd = state_dicts(model, opt)[0]
-    r['dcp'] = timed(lambda i: dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(root / f'dcp_{i}'))))
     files = [p for p in (root / 'dtnb').glob('step_*/*') if p.is_file()]
     r['bytes'] = sum(p.stat().st_size for p in files)
     t = time.perf_counter(); [file_crc(p) for p in files]; r['crc_all'] = time.perf_counter() - t  # one rank hashing everything
@@ -59,8 +67,8 @@ def _bench(root, d, depth, repeats):
         h.wait(); committed.append(time.perf_counter() - t)
     r['async_blocked'], r['async_total'] = statistics.median(blocked), statistics.median(committed)
     last = checkpoint_path(root / 'dtnb', repeats - 1)
-    r['load_verify'] = timed(lambda i: load_checkpoint(last, model, opt))
-    r['load_noverify'] = timed(lambda i: load_checkpoint(last, model, opt, verify=False))
+    r['load_verify'], r['load_noverify'], r['load_ratio'] = pair(lambda i: load_checkpoint(last, model, opt),
+                                                                 lambda i: load_checkpoint(last, model, opt, verify=False))
     r['export'] = timed(lambda i: export_model(root / 'model.safetensors', model))
     r['export_bytes'] = os.path.getsize(root / 'model.safetensors')
     return r
@@ -69,7 +77,7 @@ def _bench(root, d, depth, repeats):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument('--d', type=int, default=512); ap.add_argument('--depth', type=int, default=8)
-    ap.add_argument('--repeats', type=int, default=3); ap.add_argument('--dir', default=None)
+    ap.add_argument('--repeats', type=int, default=5); ap.add_argument('--dir', default=None)
     a = ap.parse_args()
     from dtnb.launcher.processes import launch
     n = sum(p.numel() for p in _model(a.d, a.depth).parameters())
@@ -77,7 +85,7 @@ def main():
     try: r = launch(_bench, root, a.d, a.depth, a.repeats, nprocs=2)[0]
     finally: shutil.rmtree(root, ignore_errors=True)
     mb = r['bytes'] / 2**20
-    print(f"ToyModel d={a.d} depth={a.depth}: {n / 1e6:.1f} M parameters; AdamW; 2 ranks (DDP, gloo); median of {a.repeats}")
+    print(f"ToyModel d={a.d} depth={a.depth}: {n / 1e6:.1f} M parameters; AdamW; 2 ranks (DDP, gloo); median of {a.repeats}, dtnb and torch interleaved")
     print(f"  checkpoint size (model + optimizer + RNG)  {mb:8.1f} MiB")
     print(f"  save, dtnb (atomic, 2 ranks write)         {r['save']:8.3f} s   {mb / r['save']:7.0f} MiB/s")
     print(f"  save, DCP alone (dcp.save, same state)     {r['dcp']:8.3f} s   {mb / r['dcp']:7.0f} MiB/s   dtnb adds {r['save'] / r['dcp'] - 1:+.0%}")
@@ -88,6 +96,10 @@ def main():
     print(f"  async save: until committed               {r['async_total']:8.3f} s")
     print(f"  load, verified (sizes + CRC32)             {r['load_verify']:8.3f} s")
     print(f"  load, verify=False                         {r['load_noverify']:8.3f} s   verification overhead {r['load_verify'] / r['load_noverify'] - 1:+.0%}")
+    print(f"  ratios (median of interleaved pairs; targets of issue 27 in brackets):")
+    print(f"    save, dtnb / dcp.save                    {r['save_ratio']:8.2f}   (<= 1.15)")
+    print(f"    load, verified / verify=False            {r['load_ratio']:8.2f}   (<= 1.15)")
+    print(f"    async save blocked / synchronous save    {r['async_blocked'] / r['save']:8.2f}   (the copy to CPU only)")
     print(f"  export to one .safetensors                 {r['export']:8.3f} s   {r['export_bytes'] / 2**20:.1f} MiB")
 
 

@@ -146,10 +146,34 @@ def _fsync_dir(p):
         try: os.fsync(fd)
         finally: os.close(fd)
 
-def _write_pt(obj, path):
-    "torch.save, fsynced"
+class _Crc:
+    "A file being written that keeps the CRC32 of the bytes written through it (no reading back to checksum them)"
+    def __init__(self, f): self.f, self.crc = f, 0
+    def write(self, b):
+        self.crc = zlib.crc32(b, self.crc)
+        return self.f.write(b)
+    def __getattr__(self, k): return getattr(self.f, k)
+
+def _write_pt(obj, path, crcs:dict|None=None):
+    "torch.save, fsynced; its CRC32 into `crcs` by file name"
     with open(path, 'wb') as f:
-        torch.save(obj, f); f.flush(); os.fsync(f.fileno())
+        w = _Crc(f); torch.save(obj, w); f.flush(); os.fsync(f.fileno())
+    if crcs is not None: crcs[Path(path).name] = w.crc
+
+def _crc_writer(path, crcs:dict):
+    "DCP's FileSystemWriter into `path` that puts the CRC32 of each file it writes into `crcs`, as it writes"
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystem
+    class _Fs(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, p, mode):
+            with super().create_stream(p, mode) as s:
+                w = _Crc(s) if 'w' in mode else s
+                yield w
+            if w is not s: crcs[Path(p).name] = w.crc
+    writer = dcp.FileSystemWriter(str(path))
+    if isinstance(getattr(writer, 'fs', None), FileSystem): writer.fs = _Fs()  # else: the files are read to hash
+    return writer
 
 def load_pt(path):
     "torch.load with weights_only=True: tensors, numbers, strings and containers of them; nothing else is run"
@@ -176,14 +200,14 @@ def _check_extra(x, where='extra'):
                         "and lists/tuples/dicts of them (for an object with state, pass obj.state_dict())")
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c029
-def _hash_files(tmp:Path) -> dict:
-    "{file: [size, crc32]} of every file in `tmp`, each rank hashing its share. A collective"
+def _hash_files(tmp:Path, known:dict|None=None) -> dict:
+    "{file: [size, crc32]} of every file in `tmp`: the CRCs ranks `known` as they wrote, the rest hashed. A collective"
     r, ws = rank_world()
-    names = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != MARKER)
-    files = {}
-    for part in all_gather_objects({n: [os.path.getsize(tmp / n), file_crc(tmp / n)] for n in names[r::ws]}):
-        files.update(part)
-    return files
+    names, files = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != MARKER), {}
+    for part in all_gather_objects(known or {}): files.update({n: c for n, c in part.items() if n in names})
+    rest = [n for n in names if n not in files]  # each rank hashes a share of those
+    for part in all_gather_objects({n: file_crc(tmp / n) for n in rest[r::ws]}): files.update(part)
+    return {n: [os.path.getsize(tmp / n), files[n]] for n in names}
 
 def _commit(tmp:Path, path:Path, meta:dict, files:dict, keep:int|None):
     "Write the marker into `tmp`, then rename it to `path`: the checkpoint now exists (rank 0 only)"
@@ -279,10 +303,11 @@ def save_checkpoint(path,                        # directory to create, e.g. che
                                           f"every rank", ValueError)
     tmp = path.with_name(f"{path.name}.tmp-{token}")
     tmp.mkdir(parents=True, exist_ok=True)
+    crcs = {}  # CRC32 of the files this rank writes, taken as they are written
     _write_pt(dict(rank=r, world_size=ws, rng=rng_state(), buffers=own,
-                   data=loader.state_dict() if loader is not None else None), tmp / rank_file(r))
-    if r == 0: _write_pt(extra, tmp / 'extra.pt')
-    writer = dcp.FileSystemWriter(str(tmp))
+                   data=loader.state_dict() if loader is not None else None), tmp / rank_file(r), crcs)
+    if r == 0: _write_pt(extra, tmp / 'extra.pt', crcs)
+    writer = _crc_writer(tmp, crcs)
     if async_save:
         with quiet():
             fut = dcp.async_save(sd, storage_writer=writer, process_group=_async_group(),
@@ -293,7 +318,7 @@ def save_checkpoint(path,                        # directory to create, e.g. che
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if r == 0: shutil.rmtree(tmp, ignore_errors=True)
         raise _save_error(path, e) from e
-    files = _hash_files(tmp)
+    files = _hash_files(tmp, crcs)
     problem = None
     if r == 0:
         try: _commit(tmp, path, meta, files, keep)
