@@ -7,6 +7,7 @@ Docs: https://dtnb-dev.github.io/dtnb/train.checkpoint_load.html.md"""
 # %% ../../nbs/05c_train.checkpoint_load.ipynb #c7e91843
 from __future__ import annotations
 import pickle, functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 import torch
@@ -113,20 +114,36 @@ def _check_fits(path, meta, shapes, with_optimizer):
                               + '\n  '.join(lines))
 
 # %% ../../nbs/05c_train.checkpoint_load.ipynb #90863236
-def verify_checkpoint(path:Path, meta:dict, collective:bool=True):
-    "Every file the marker lists is present, of its size and CRC32; each rank checks a share, all raise. A collective"
-    r, ws = rank_world() if collective else (0, 1)
+def _problems(path:Path, files:list, crc:bool=True) -> list:
+    "What is wrong with `files` [(name, [size, crc32])] in `path`: missing, of another size, (`crc`) corrupted"
     bad = []
-    for name, (size, crc) in sorted(meta['files'].items())[r::ws]:
+    for name, (size, c) in files:
         f = path / name
         if not f.is_file(): bad.append(f"{name}: missing")
         elif (n := f.stat().st_size) != size:
             bad.append(f"{name}: {n:,} bytes instead of {size:,} ({'truncated' if n < size else 'grown'})")
-        elif file_crc(f) != crc: bad.append(f"{name}: checksum mismatch (corrupted)")
+        elif crc and file_crc(f) != c: bad.append(f"{name}: checksum mismatch (corrupted)")
+    return bad
+
+def _raise_damaged(path, bad, collective=True, what='nothing was loaded'):
     if collective: bad = [b for part in all_gather_objects(bad) for b in part]
-    bad = sorted(bad)
-    if bad: raise CheckpointError(f"checkpoint {path} is damaged; nothing was loaded:\n  " + '\n  '.join(bad) +
+    if bad: raise CheckpointError(f"checkpoint {path} is damaged; {what}:\n  " + '\n  '.join(sorted(bad)) +
                                   f"\nload an earlier one (list_checkpoints('{path.parent}'))")
+
+def verify_checkpoint(path:Path, meta:dict, collective:bool=True, crc:bool=True):
+    "Every file the marker lists is present, of its size and CRC32; each rank checks a share, all raise. A collective"
+    r, ws = rank_world() if collective else (0, 1)
+    _raise_damaged(path, _problems(path, sorted(meta['files'].items())[r::ws], crc), collective)
+
+def _verify_beside(path:Path, meta:dict):
+    "Sizes checked now (nothing loaded if one is off), checksums on a thread beside the loading; returns their wait"
+    verify_checkpoint(path, meta, crc=False)
+    r, ws = rank_world()
+    pool = ThreadPoolExecutor(1, thread_name_prefix='dtnb-verify')
+    fut = pool.submit(_problems, path, sorted(meta['files'].items())[r::ws])
+    pool.shutdown(wait=False)  # the thread ends with its work
+    return lambda: _raise_damaged(path, fut.result(), what='found while loading it, so the model and optimizer may '
+                                                             'hold part of it')
 
 def resolve(path) -> Path:
     "A checkpoint directory, or the newest complete checkpoint of a directory of them"
@@ -182,19 +199,22 @@ def load_checkpoint(path,                     # a checkpoint directory, or a dir
                     optimizer:torch.optim.Optimizer|None=None,
                     *, loader=None,           # a `resumable(...)` loader to put back at the saved data position
                     rng:bool=True,            # restore each rank's RNG states (when saved on as many ranks)
-                    verify:bool=True,         # check every file's size and checksum first
+                    verify:bool=True,         # check every file's size first, its checksum while loading
                    ) -> Checkpoint:
     "Restore a `save_checkpoint` checkpoint into `model`, `optimizer`, `loader` on any number of ranks (a collective)"
     import torch.distributed.checkpoint as dcp
     wait_pending()
     path = resolve(path)
     meta = read_marker(path)
-    if verify: verify_checkpoint(path, meta)
+    checked = _verify_beside(path, meta) if verify else (lambda: None)  # checksums on a thread beside the I/O
     check_metadata(path)
     sd, back = state_dicts(model, optimizer)
     _check_fits(path, meta, global_shapes(sd), optimizer is not None)
     Reader, Planner, _ = safe_dcp()
-    with quiet(): dcp.load(sd, storage_reader=Reader(str(path)), planner=Planner(), no_dist=dist_or_none() is None)
+    try:
+        with quiet(): dcp.load(sd, storage_reader=Reader(str(path)), planner=Planner(), no_dist=dist_or_none() is None)
+    except BaseException: checked(); raise  # a damaged file explains a failed load best
+    checked()
     set_state(model, optimizer, sd, back)
     r, ws = rank_world()
     same = ws == meta['world_size']
