@@ -45,7 +45,7 @@ def _bench(root, d, depth, repeats):
                 barrier(); t = time.perf_counter(); f(i); barrier(); out.append(time.perf_counter() - t)
         return statistics.median(ta), statistics.median(tb), statistics.median(x / y for x, y in zip(ta, tb))
     r['save'], r['dcp'], r['save_ratio'] = pair(
-        lambda i: save_checkpoint(checkpoint_path(root / 'dtnb', i), model, opt, step=i, keep=1),
+        lambda i: save_checkpoint(checkpoint_path(root / 'dtnb', i), model, opt, step=i),  # no pruning: dcp.save has none
         lambda i: dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(root / f'dcp_{i}'))))
     def plain(i):
         if rank() == 0:

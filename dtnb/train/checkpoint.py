@@ -9,6 +9,7 @@ from __future__ import annotations
 import os, re, json, time, uuid, zlib, shutil, warnings, threading, contextlib, collections
 from dataclasses import dataclass, field
 from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 from ..core.utils import md_table, text_table
@@ -154,10 +155,16 @@ class _Crc:
         return self.f.write(b)
     def __getattr__(self, k): return getattr(self.f, k)
 
-def _write_pt(obj, path, crcs:dict|None=None):
-    "torch.save, fsynced; its CRC32 into `crcs` by file name"
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try: os.fsync(fd)
+    finally: os.close(fd)
+
+def _write_pt(obj, path, crcs:dict|None=None, sync:bool=True):
+    "torch.save, fsynced (`sync=False`: by the caller, e.g. on a thread beside other writes); CRC32 into `crcs`"
     with open(path, 'wb') as f:
-        w = _Crc(f); torch.save(obj, w); f.flush(); os.fsync(f.fileno())
+        w = _Crc(f); torch.save(obj, w); f.flush()
+        if sync: os.fsync(f.fileno())
     if crcs is not None: crcs[Path(path).name] = w.crc
 
 def _crc_writer(path, crcs:dict):
@@ -304,17 +311,21 @@ def save_checkpoint(path,                        # directory to create, e.g. che
     tmp = path.with_name(f"{path.name}.tmp-{token}")
     tmp.mkdir(parents=True, exist_ok=True)
     crcs = {}  # CRC32 of the files this rank writes, taken as they are written
+    mine = [tmp / rank_file(r)] + ([tmp / 'extra.pt'] if r == 0 else [])  # fsynced beside DCP's writes (sync save)
     _write_pt(dict(rank=r, world_size=ws, rng=rng_state(), buffers=own,
-                   data=loader.state_dict() if loader is not None else None), tmp / rank_file(r), crcs)
-    if r == 0: _write_pt(extra, tmp / 'extra.pt', crcs)
+                   data=loader.state_dict() if loader is not None else None), mine[0], crcs, sync=async_save)
+    if r == 0: _write_pt(extra, mine[1], crcs, sync=async_save)
     writer = _crc_writer(tmp, crcs)
     if async_save:
         with quiet():
             fut = dcp.async_save(sd, storage_writer=writer, process_group=_async_group(),
                                  no_dist=dist_or_none() is None)
         return AsyncSave(path, tmp, meta, fut, keep)
+    pool = ThreadPoolExecutor(1, thread_name_prefix='dtnb-fsync')
+    synced = [pool.submit(_fsync, p) for p in mine]; pool.shutdown(wait=False)
     try:
         with quiet(): dcp.save(sd, storage_writer=writer, no_dist=dist_or_none() is None)
+        for s in synced: s.result()
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if r == 0: shutil.rmtree(tmp, ignore_errors=True)
         raise _save_error(path, e) from e
