@@ -56,7 +56,7 @@ def _bench(root, d, depth, repeats):
             with open(root / f'plain_sync_{i}.pt', 'wb') as f:
                 torch.save(dict(model=model.module.state_dict(), optim=opt.state_dict()), f); f.flush(); os.fsync(f.fileno())
     r['torch_save_fsync'] = timed(plain_fsync)
-    files = [p for p in (root / 'dtnb').glob('step_*/*') if p.is_file()]
+    files = [p for p in checkpoint_path(root / 'dtnb', repeats - 1).iterdir() if p.is_file()]  # one checkpoint
     r['bytes'] = sum(p.stat().st_size for p in files)
     t = time.perf_counter(); [file_crc(p) for p in files]; r['crc_all'] = time.perf_counter() - t  # one rank hashing everything
     blocked, committed = [], []

@@ -6,7 +6,7 @@ rank, AdamW, one torch thread per rank). Each round runs `fit(..., max_steps=ste
 loop once each, in alternating order (a barrier before and after each), so that load from other processes falls on
 both alike; the ratio of each round is taken and the median over rounds printed: of wall time (the target), and of
 this process's CPU time (rank 0's), which load from other processes disturbs less on a shared machine.
-    python benchmarks/bench_fit.py [--steps 120] [--rounds 7] [--only single,ddp,fsdp]
+    python benchmarks/bench_fit.py [--steps 30] [--rounds 15] [--only single,ddp,fsdp]
 """
 import argparse, statistics, time
 import torch
@@ -64,7 +64,7 @@ def _ranked(strategy, steps, n_rounds):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument('--steps', type=int, default=120); ap.add_argument('--rounds', type=int, default=7)
+    ap.add_argument('--steps', type=int, default=30); ap.add_argument('--rounds', type=int, default=15)
     ap.add_argument('--only', default='single,ddp,fsdp')
     a = ap.parse_args()
     rows = []
