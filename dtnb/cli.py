@@ -44,7 +44,7 @@ def _launch(args):
     from dtnb.launcher.torchrun import torchrun_command
     tr, script, script_args = _split_launch_args(args.rest)
     if not os.path.exists(script): raise ValueError(f"script {script!r} not found")
-    cmd, env = torchrun_command(args.nprocs, script, script_args, tr)
+    cmd, env = torchrun_command(args.nprocs, script, script_args, tr, join_timeout=args.join_timeout)
     if args.peer_timeout is not None: env['DTNB_PEER_TIMEOUT'] = f"{args.peer_timeout:g}"
     if args.dry_run: print(' '.join(cmd)); return 0
     return subprocess.run(cmd, env={**os.environ, **env}).returncode
@@ -238,7 +238,8 @@ elastic restarts:
   --nnodes=MIN:MAX   start once MIN nodes joined, admit up to MAX. With --max-restarts, a lost node no
                      longer ends the job while MIN remain: the ranks restart with the new world size; a
                      node that joins later makes them restart to take it in. --nnodes=N: MIN=MAX=N.
-  The node hosting the rendezvous (HOST) must stay up: it holds the rendezvous store."""
+  The node hosting the rendezvous (HOST) must stay up: it holds the rendezvous store. A node that is not back
+  within --join-timeout (default 60 s) ends the job, saying how many nodes came."""
 
 # %% ../nbs/10_cli.ipynb #f9d14a9b
 def _shape(s):
@@ -263,6 +264,9 @@ def parser() -> argparse.ArgumentParser:
     l.add_argument('--dry-run', action='store_true', help="print the torchrun command instead of running it")
     l.add_argument('--peer-timeout', type=float, metavar='S', help="seconds a rank may go unheard before every rank "
                    "stops, naming it (DTNB_PEER_TIMEOUT; default 60, 0: off)")
+    l.add_argument('--join-timeout', type=float, metavar='S', help="seconds the nodes have to meet at the rendezvous, "
+                   "at the start and after a restart, before the job stops saying how many came (DTNB_JOIN_TIMEOUT; "
+                   "default 60)")
     l.add_argument('rest', nargs=argparse.REMAINDER, help="torchrun options, then the script and its arguments")
     l.set_defaults(func=_launch)
     _add_plan(sub)
