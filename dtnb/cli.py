@@ -252,7 +252,8 @@ def _check_data(args):
 def _check_loss(name):
     import torch.nn.functional as F
     from dtnb.reporting.sections import load_spec
-    return {None: None, 'mse': F.mse_loss, 'cross_entropy': F.cross_entropy}.get(name) or load_spec(name, '--loss')
+    if name is None: return None  # the model's own .loss, else mse (forward_loss)
+    return {'mse': F.mse_loss, 'cross_entropy': F.cross_entropy}.get(name) or load_spec(name, '--loss')
 
 def _add_check(sub):
     c = sub.add_parser('check', help="before the GPU job: does training on N CPU ranks match one process; do the "
