@@ -207,17 +207,18 @@ def _data_causes(plan, nprocs) -> list[Cause]:
 # %% ../../nbs/09_debug.equivalence.ipynb #f98e82c1
 def _model_causes(ref, start, strategy, tol) -> list[Cause]:
     "BatchNorm statistics and random numbers seen in the reference's first forward; states unequal at the start"
-    out = []
+    out, s = [], lambda names: 's' * (len(names) == 1)  # "updates" for one module
     if ref['stats']:
-        out.append(Cause('batchnorm', 1, f"{', '.join(ref['stats'])} update{'s' * (len(ref['stats']) == 1)} buffers from the batch in the "
-            "forward (batch statistics): under data parallelism each rank normalises its own share with its own "
+        out.append(Cause('batchnorm', 1, f"{', '.join(ref['stats'])} update{s(ref['stats'])} buffers from the batch in "
+            "the forward (batch statistics): under data parallelism each rank normalises its own share with its own "
             "statistics, one process the whole batch", "wrap(model, ..., sync_batchnorm=True) on GPUs "
             "(SyncBatchNorm), or GroupNorm/LayerNorm, which match one process exactly"))
     if ref['random']:
         same = (" Every rank also starts from the same random state, so the ranks draw the same masks for their "
                 "shares." if start['same_rng'] else '')
-        out.append(Cause('rng', 1, f"{', '.join(ref['random'])} draw{'s' * (len(ref['random']) == 1)} random numbers in the forward (dropout): each "
-            f"rank draws for its share, one process for the whole batch, so no run matches bit for bit.{same}",
+        out.append(Cause('rng', 1, f"{', '.join(ref['random'])} draw{s(ref['random'])} random numbers in the forward "
+            f"(dropout): each rank draws for its share, one process for the whole batch, so no run matches bit for "
+            f"bit.{same}",
             "compare with dropout off (p=0, or those modules in eval()), then train with it; seed each rank "
             "differently (torch.manual_seed(seed + rank)) so ranks do not share masks"))
     (db, bn), (dp, pn) = start['buffers'], start['params']
