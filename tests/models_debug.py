@@ -1,4 +1,5 @@
 "Models, batches and steps for tests/test_debug.py and `dtnb check --model models_debug:<fn>` with tests/ on the path"
+import time
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -37,3 +38,18 @@ def metric_on_rank0():
     "A metric gathered only on rank 0"
     dist.all_reduce(torch.ones(4))
     if dist.get_rank() == 0: dist.all_reduce(torch.ones(1))  # metric on rank 0 only
+
+
+class Shifted(nn.Module):
+    "A linear layer plus a buffer that each rank builds from its own rank: unequal unless someone broadcasts it"
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.register_buffer('shift', torch.full((2,), float(dist.get_rank() if dist.is_initialized() else 0)))
+    def forward(self, x): return self.lin(x) + self.shift
+
+
+def stuck():
+    "Rank 1 never reaches the all_reduce rank 0 waits in"
+    if dist.get_rank() == 0: dist.all_reduce(torch.ones(3))
+    else: time.sleep(60)

@@ -1,6 +1,7 @@
 """check_equivalence and trace_collectives on real gloo ranks, and `dtnb check`: each cause named for a model that has
 it, figures equal to a hand comparison, planted collective divergences found with their lines.
 The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
+import inspect
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,14 +98,25 @@ def test_seven_samples_on_two_ranks_padding_in_a_loader_mean_of_means_in_a_batch
     assert c.rows[0]['loss'] < 1e-6 and c.rows[0]['samples'] == [4, 3]  # the loss is right, its gradient is not
 
 
+def test_a_buffer_built_per_rank_is_found_under_fsdp_and_broadcast_by_ddp():
+    r = check_equivalence(md.Shifted, md.batch(), strategies=['ddp', 'fsdp'], steps=1)
+    assert r['ddp'].equal and [c.name for c in r['fsdp'].likely] == ['buffers'], r
+    assert 'buffer shift differs' in r['fsdp'].likely[0].evidence
+
+
 def test_trace_collectives_names_the_extra_all_reduce_and_equal_on_a_correct_step():
     t = trace_collectives(md.uneven_step, timeout=10)
     assert not t.equal and t.first_difference == 0
     assert t.at(0)[1].line.startswith('if dist.get_rank() == 1: dist.all_reduce(x)'), t
-    assert t.at(0)[0].line == 'dist.all_reduce(x)' and t.at(0)[0].where.endswith('models_debug.py:33')
+    lines, first = inspect.getsourcelines(md.uneven_step)
+    at = first + next(i for i, l in enumerate(lines) if l.strip() == 'dist.all_reduce(x)')
+    assert t.at(0)[0].line == 'dist.all_reduce(x)' and t.at(0)[0].where == f"{md.__file__}:{at}", t.at(0)[0]
     t = trace_collectives(md.metric_on_rank0, timeout=10)
     assert (t.first_difference, t.at(1)[1], t.returned) == (1, None, [False, True]), t
     assert 'rank 1 returned after 1 collectives' in t.error and 'metric on rank 0 only' in t.at(1)[0].line
+    t = trace_collectives(md.stuck, timeout=1)  # rank 1 never comes: rank 0 stops at the timeout, and says so
+    assert (t.first_difference, t.returned, [len(c) for c in t.calls]) == (0, [False, False], [1, 0]), t
+    assert 'rank 1 did not issue it within 1s' in t.error
     t = trace_collectives(md.good_step)
     assert t.equal and [[c.op for c in cs] for cs in t.calls] == [['all_reduce', 'all_gather_object']] * 2, t
 
