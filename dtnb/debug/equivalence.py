@@ -17,7 +17,7 @@ from ..parallel.wrap import wrap, STRATEGIES
 from ..train.batches import forward_loss, count_samples
 
 # %% auto #0
-__all__ = ['HEADER', 'DATA_PARALLEL', 'StepData', 'plan_steps', 'ForwardProbe', 'reference_run', 'Cause', 'StrategyCheck',
+__all__ = ['DATA_PARALLEL', 'StepData', 'plan_steps', 'ForwardProbe', 'reference_run', 'Cause', 'StrategyCheck',
            'EquivalenceReport', 'check_equivalence']
 
 # %% ../../nbs/09_debug.equivalence.ipynb #362cbbac
@@ -270,7 +270,7 @@ def _table_rows(rows):
              f"{_fmt(r['param'])} {r['param_at'] or ''}".strip(), _fmt(r['buffers']),
              '+'.join(map(str, r['samples']))) for r in rows]
 
-HEADER = ('step', 'loss Δ', 'grad Δ (largest at)', 'param Δ (largest at)', 'buffers Δ', 'samples per rank')
+_HEADER = ('step', 'loss Δ', 'grad Δ (largest at)', 'param Δ (largest at)', 'buffers Δ', 'samples per rank')
 
 def _verdict(c:StrategyCheck, tol) -> str:
     if c.equal: return f"{c.strategy}: equal to one process at every step (tolerance {tol:g})"
@@ -292,7 +292,7 @@ class EquivalenceReport:
     def __getitem__(self, strategy): return self.checks[strategy]
     def _parts(self, table):
         for c in self.checks.values():
-            yield _verdict(c, self.tol), table(HEADER, _table_rows(c.rows)), [str(x) for x in c.likely]
+            yield _verdict(c, self.tol), table(_HEADER, _table_rows(c.rows)), [str(x) for x in c.likely]
     def __str__(self):
         head = f"check_equivalence: {self.nprocs} CPU ranks vs one process, {self.precision}"
         return '\n\n'.join([head] + [f"{v}\n{t}" + ''.join(f"\nlikely cause: {x}" for x in why)
