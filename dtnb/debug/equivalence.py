@@ -45,7 +45,7 @@ def _loader_steps(loader, steps, nprocs):
         raise ValueError(f"the loader's batch_size={B} is the global batch here: it must be a multiple of "
                          f"nprocs={nprocs}, so that each rank gets batch_size/nprocs samples a step")
     order = [list(DistributedSampler(ds, nprocs, r, shuffle=False)) for r in range(nprocs)]
-    one, each, b = list(range(len(ds))), [], B // nprocs
+    one, b = list(range(len(ds))), B // nprocs
     pad = {j for j in range(len(ds)) if sum(o.count(j) for o in order) > 1}  # repeated to fill the last share
     out = []
     for s in range(steps):
@@ -152,7 +152,7 @@ def _compare_step(step, got, ref, order, tol):
 def _rank_check(model_fn, plan, ref, strategy, loss_fn, precision, optimizer, lr, seed, tol):
     "On every rank: train `strategy` step by step; rank 0 returns the table rows and the start-of-run gaps"
     import hashlib
-    r, ws = rank_world()
+    r, _ = rank_world()
     torch.manual_seed(seed)
     with warnings.catch_warnings():  # wrap's BatchNorm warning: the check names that cause itself
         warnings.simplefilter('ignore'); model = wrap(model_fn(), strategy, device='cpu')
