@@ -226,6 +226,53 @@ def _add_doctor(sub):
     d.add_argument('--json', action='store_true', help="print the report as JSON")
     d.set_defaults(func=_doctor)
 
+# %% ../nbs/10_cli.ipynb #f8578a25
+def _check(args):
+    from dtnb.reporting.sections import load_spec
+    if args.collectives:
+        from dtnb.debug.collectives import trace_collectives
+        r = trace_collectives(load_spec(args.collectives, '--collectives'), nprocs=args.nprocs, timeout=args.timeout)
+    else:
+        from dtnb.debug.equivalence import check_equivalence
+        if not args.model: raise ValueError("dtnb check needs --model module:factory (or --collectives module:fn)")
+        r = check_equivalence(load_spec(args.model), _check_data(args), args.strategies, args.nprocs, args.steps,
+                              _check_loss(args.loss), args.precision, lr=args.lr, tol=args.tol)
+    print(json.dumps(r.to_dict(), indent=2, default=str) if args.json else r)
+    return 0 if r.equal else 1
+
+def _check_data(args):
+    "One batch (--batch) or a DataLoader over --dataset with the global --batch-size"
+    from dtnb.reporting.sections import load_spec
+    if bool(args.batch) == bool(args.dataset):
+        raise ValueError("dtnb check --model needs one of --batch module:fn (one batch) or --dataset module:fn")
+    if args.batch: return load_spec(args.batch, '--batch')()
+    from torch.utils.data import DataLoader
+    return DataLoader(load_spec(args.dataset, '--dataset')(), batch_size=args.batch_size)
+
+def _check_loss(name):
+    import torch.nn.functional as F
+    from dtnb.reporting.sections import load_spec
+    if name is None: return None  # the model's own .loss, else mse (forward_loss)
+    return {'mse': F.mse_loss, 'cross_entropy': F.cross_entropy}.get(name) or load_spec(name, '--loss')
+
+def _add_check(sub):
+    c = sub.add_parser('check', help="before the GPU job: does training on N CPU ranks match one process; do the "
+                                     "ranks issue the same collectives")
+    c.add_argument('--model', metavar='MODULE:FN', help="FN() builds your model")
+    c.add_argument('--batch', metavar='MODULE:FN', help="FN() returns one (inputs, targets) batch")
+    c.add_argument('--dataset', metavar='MODULE:FN', help="FN() returns your Dataset")
+    c.add_argument('--batch-size', type=int, default=8, help="with --dataset: the global batch")
+    c.add_argument('--strategies', nargs='+', default=['ddp'], help="ddp, zero1, zero2, zero3, fsdp")
+    c.add_argument('--steps', type=int, default=3); c.add_argument('--nprocs', type=int, default=2)
+    c.add_argument('--loss', help="mse, cross_entropy or MODULE:FN (default: the model's .loss, else mse)")
+    c.add_argument('--precision', choices=['fp32', 'bf16-mixed', 'fp16-mixed'])
+    c.add_argument('--lr', type=float, default=0.05, help="SGD's learning rate")
+    c.add_argument('--tol', type=float, help="relative tolerance (default 1e-5; 1e-2 with autocast)")
+    c.add_argument('--collectives', metavar='MODULE:FN', help="trace the collectives of FN() on every rank instead")
+    c.add_argument('--timeout', type=float, default=30, help="with --collectives: seconds a rank waits for the others")
+    c.add_argument('--json', action='store_true', help="print the result as JSON")
+    c.set_defaults(func=_check)
+
 # %% ../nbs/10_cli.ipynb #be41ee21
 LAUNCH_EPILOG = """\
 several nodes: run the same command on each node (HOST: an address of the node that hosts the rendezvous)
@@ -274,6 +321,7 @@ def parser() -> argparse.ArgumentParser:
     _add_loader(sub)
     _add_checkpoints(sub)
     _add_doctor(sub)
+    _add_check(sub)
     r = sub.add_parser('report', help="run the whole report on this machine: devices, strategies, loader, benchmarks")
     r.add_argument('--out', default='dtnb-report', help="folder for report.md, report.html, results.json and plots")
     r.add_argument('--quick', action='store_true', help="small sizes: about a minute on 2 CPU cores")
