@@ -181,7 +181,7 @@ def parse_launch_env(env:Mapping|None=None) -> LaunchEnv:
 
 # %% ../../nbs/01_detection.env.ipynb #ba8165e9
 def restart_hazard(backend:str, env:Mapping|None=None) -> str|None:
-    "Why torchrun's restarts of this job may fail (gloo on the agent's shared store), with the fix; None when they won't"
+    "Why torchrun's restarts of this job may fail (gloo on the agent's shared store), with the fix; else None"
     env = os.environ if env is None else env
     restarts = int(env.get('TORCHELASTIC_MAX_RESTARTS') or 0)
     if backend != 'gloo' or restarts < 1 or env.get('TORCHELASTIC_USE_AGENT_STORE') != 'True': return None
