@@ -26,6 +26,7 @@ _API = '''
     time_fn
     predict Prediction Target device_spec DeviceSpec
     report
+    check_equivalence EquivalenceReport trace_collectives CollectiveTrace
 '''.split()
 
 def _module_of(name):
