@@ -211,10 +211,12 @@ def _hash_files(tmp:Path, known:dict|None=None) -> dict:
     "{file: [size, crc32]} of every file in `tmp`: the CRCs ranks `known` as they wrote, the rest hashed. A collective"
     r, ws = rank_world()
     names, files = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != MARKER), {}
-    for part in all_gather_objects(known or {}): files.update({n: c for n, c in part.items() if n in names})
+    for part in all_gather_objects({n: [os.path.getsize(tmp / n), c] for n, c in (known or {}).items() if n in names}):
+        files.update(part)
     rest = [n for n in names if n not in files]  # each rank hashes a share of those
-    for part in all_gather_objects({n: file_crc(tmp / n) for n in rest[r::ws]}): files.update(part)
-    return {n: [os.path.getsize(tmp / n), files[n]] for n in names}
+    for part in all_gather_objects({n: [os.path.getsize(tmp / n), file_crc(tmp / n)] for n in rest[r::ws]}):
+        files.update(part)
+    return {n: files[n] for n in names}  # no file is touched after the last gather: rank 0 then renames `tmp`
 
 def _commit(tmp:Path, path:Path, meta:dict, files:dict, keep:int|None):
     "Write the marker into `tmp`, then rename it to `path`: the checkpoint now exists (rank 0 only)"
