@@ -88,7 +88,8 @@ def _pytestmark_fixtures(tree) -> set:
 
 # Test modules that run unpinned, and why; every other module lists `cpu_ranks` in its pytestmark.
 UNPINNED_TESTS = {
-    'test_api.py': "imports and signatures", 'test_device.py': "detection, with its own NVML and CUDA stand-ins",
+    'test_api.py': "imports and signatures", 'test_cuda.py': "the GPU is its subject (skips without CUDA)",
+    'test_device.py': "detection, with its own NVML and CUDA stand-ins",
     'test_gpu_bench.py': "gpu_bench.py with --device cpu; its GPU path runs under tools/gpu_check.sh",
     'test_gpu_check.py': "tools/gpu_check.sh's no-GPU path and dry run (which pins what it runs itself); skips "
                          "itself where a GPU is",
