@@ -223,9 +223,14 @@ def test_layouts_measured_equal_estimates():
     from dtnb.core.models import TinyTransformer
     m = TinyTransformer(d_in=16, d=32, n_heads=4, depth=2, d_out=4)
     xy = torch.randn(4, 8, 16), torch.randn(4, 8, 4)
+    # recommend's answer for 4 devices too small for DDP: what it estimated is what parallelize(plan.degrees) holds
+    ddp = estimate_memory(m, degrees=Degrees(dp_replicate=4), batch=xy, loss_fn=F.mse_loss)
+    plan = recommend(m, xy, world_size=4, memory=ddp.total * 0.7, loss_fn=F.mse_loss, layouts=True)
+    assert plan.degrees.world_size == 4 and plan.estimates[plan.chosen].total <= plan.budget < ddp.total
     layouts = [Degrees(dp_replicate=2, dp_shard=2), Degrees(dp_shard=2, tp=2), Degrees(pp=2, dp_shard=2),
-               Degrees(tp=4)]
-    rs = measure_memory(m, xy, degrees=layouts, loss_fn=F.mse_loss, timeout=120)
+               Degrees(tp=4), plan.degrees]
+    *rs, planned = measure_memory(m, xy, degrees=layouts, loss_fn=F.mse_loss, timeout=120)
+    assert planned.exact and max(e.model_states for e in planned.estimates) <= plan.estimates[plan.chosen].model_states
     full = estimate_memory(m).model_states
     for d, r in zip(layouts, rs):
         assert r.exact, str(r)

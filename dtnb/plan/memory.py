@@ -341,6 +341,10 @@ def tp_linears(model:nn.Module, tp:int) -> dict:
         dim, what = (m.out_features, 'output') if col else (m.in_features, 'input')
         if dim % tp: raise ValueError(f"{name} has {dim} {what} features, which do not split into tp={tp} equal "
                                       f"parts: choose a tensor-parallel degree dividing {dim}")
+        hd = getattr(model.get_submodule(name.rpartition('.')[0]), 'head_dim', None)  # attention: whole heads
+        if col and isinstance(hd, int) and (dim // tp) % hd:
+            raise ValueError(f"{name} has {dim // hd} heads of {hd} features, which do not split into tp={tp} equal "
+                             f"parts: choose a tensor-parallel degree dividing {dim // hd}")
         out[name] = (m.out_features // tp, m.in_features, True) if col else (m.out_features, m.in_features // tp, False)
     return out
 
