@@ -225,8 +225,10 @@ def step_time(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISION
     bubble = (d.pp - 1) / m * compute
     ar = lambda k, b, link: 2 * (k - 1) / k * b / link
     tp = ar(d.tp, 4 * shape.layers / d.pp * seqs * s * h * p.activations, node.intra)
-    dp_link = node.intra if d.tp * d.dp <= node.devices else node.inter
-    dp = ar(d.dp, shape.params() / (d.tp * d.pp) * p.grads * (1.5 if d.dp_shard_enabled else 1), dp_link)
+    link = lambda ranks: node.intra if ranks <= node.devices else node.inter  # a group of consecutive ranks
+    g = shape.params() / (d.tp * d.pp) * p.grads  # gradient bytes of one rank's stage and tp slice
+    dp = (ar(d.dp_shard, 1.5 * g, link(d.tp * d.dp_shard)) +  # FSDP: reduce-scatter + the parameter gathers
+          ar(d.dp_replicate, g / d.dp_shard, link(d.tp * d.dp)))  # replicas (DDP, HSDP): all-reduce of the shards
     pp = 2 * seqs * s * h * p.activations / node.inter if d.pp_enabled else 0
     return compute + bubble + tp + dp + pp
 
