@@ -79,7 +79,7 @@ def _plan(args):
     else:
         r = recommend(model, shape=shape, world_size=args.world_size, optimizer=args.optimizer,
                       precision=args.precision,
-                      memory=args.memory, margin=args.margin)
+                      memory=args.memory, margin=args.margin, layouts=args.layouts)
     print(json.dumps(r.to_dict(), indent=2) if args.json else r)
     return 0
 
@@ -133,6 +133,8 @@ def _add_plan(sub):
     p.add_argument('--activation-checkpointing', action='store_true',
                    help="with --strategy: recompute each block's activations in the backward")
     p.add_argument('--offload', action='store_true', help="with --strategy: CPU offload")
+    p.add_argument('--layouts', action='store_true', help="search parallelize's layouts (tp x pp x dp_shard x "
+                                                         "dp_replicate) and rank those that fit by predicted step time")
     p.add_argument('--json', action='store_true', help="print as JSON")
     q = p.add_argument_group('prediction', "--predict: step time, wall time and cost on each GPU of --gpus")
     q.add_argument('--predict', action='store_true', help="predict the run on each of --gpus instead")
