@@ -10,7 +10,7 @@ import argparse, json, sys
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['LAUNCH_EPILOG', 'parser', 'main']
+__all__ = ['LAUNCH_EPILOG', 'REPORT_SECTIONS', 'parser', 'main']
 
 # %% ../nbs/10_cli.ipynb #e8d45553
 def _env(args):
@@ -33,17 +33,25 @@ def _html_out(path, title, sections, subtitle=''):
 
 # %% ../nbs/10_cli.ipynb #71ad937d
 def _split_launch_args(rest):
-    "Split `[torchrun options] script.py [script args]` at the script"
-    for i, a in enumerate(rest):
-        if a.endswith('.py') and not a.startswith('-'): return rest[:i], a, rest[i + 1:]
-    raise ValueError("dtnb launch needs a script to run, e.g. `dtnb launch -n 2 train.py --epochs 1` "
-                     "(torchrun options go before the script)")
+    "Split `[torchrun options] [-m | --no-python] script [script args]` where torchrun would: at its first positional"
+    from torch.distributed.run import get_args_parser
+    takes_value = {o for a in get_args_parser()._actions if a.nargs != 0 for o in a.option_strings}
+    i = 0
+    while i < len(rest):
+        if not rest[i].startswith('-'): return rest[:i], rest[i], rest[i + 1:]
+        i += 1 + (rest[i] in takes_value)  # `--opt value` is two arguments, `--opt=value` one
+    raise ValueError("dtnb launch needs a script to run, e.g. `dtnb launch -n 2 train.py --epochs 1` or "
+                     "`dtnb launch -n 2 -m package.train` (torchrun options go before the script)")
+
+def _runs_file(torchrun_args) -> bool:
+    "Whether the launched program is a script file (not `-m module`, not a `--no-python` program)"
+    return not {'-m', '--module', '--no-python', '--no_python'} & set(torchrun_args)
 
 def _launch(args):
     import os, subprocess
     from dtnb.launcher.torchrun import torchrun_command
     tr, script, script_args = _split_launch_args(args.rest)
-    if not os.path.exists(script): raise ValueError(f"script {script!r} not found")
+    if _runs_file(tr) and not os.path.exists(script): raise ValueError(f"script {script!r} not found")
     cmd, env = torchrun_command(args.nprocs, script, script_args, tr)
     if args.peer_timeout is not None: env['DTNB_PEER_TIMEOUT'] = f"{args.peer_timeout:g}"
     if args.dry_run: print(' '.join(cmd)); return 0
@@ -248,9 +256,21 @@ def _shape(s):
     if not shape or min(shape) < 1: raise argparse.ArgumentTypeError(f"{s!r}: write sizes like 3,32,32")
     return shape
 
+REPORT_SECTIONS = ('env', 'plan', 'training', 'loader', 'bench')  # `dtnb.reporting.sections.SECTIONS`, not imported
+
+def _list_choices(p:argparse.ArgumentParser):
+    "Name the choices in the help of every option whose metavar hides them (`--only NAME`), in `p` and its commands"
+    for a in p._actions:
+        if a.choices and a.metavar and not isinstance(a.choices, dict):
+            a.help = f"{a.help or ''} (choices: {', '.join(map(str, a.choices))})".strip()
+        if isinstance(a, argparse._SubParsersAction):
+            for q in a.choices.values(): _list_choices(q)
+
 def parser() -> argparse.ArgumentParser:
     "The `dtnb` command-line parser with all its subcommands"
+    import dtnb
     p = argparse.ArgumentParser(prog='dtnb', description="Take PyTorch training from one device to many.")
+    p.add_argument('--version', action='version', version=f"dtnb {dtnb.__version__}")
     sub = p.add_subparsers(dest='command', metavar='COMMAND')
     e = sub.add_parser('env', help="what this machine and this launch can do for training")
     e.add_argument('--json', action='store_true', help="print the report as JSON")
@@ -278,8 +298,10 @@ def parser() -> argparse.ArgumentParser:
                    "targets derived from the model's output (K>1 classes: labels + cross-entropy; else mse)")
     r.add_argument('--batch', metavar='MODULE:FN', help="FN() returns one (inputs, targets) batch of your data")
     r.add_argument('--dataset', metavar='MODULE:FN', help="FN() returns your Dataset of (input, target) samples")
-    r.add_argument('--sections', nargs='+', default=None, help="only these sections")
+    r.add_argument('--sections', nargs='+', default=None, metavar='NAME', choices=REPORT_SECTIONS,
+                   help="only these sections")
     r.set_defaults(func=_report)
+    _list_choices(p)
     return p
 
 # %% ../nbs/10_cli.ipynb #690e2595
