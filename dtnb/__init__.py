@@ -26,6 +26,7 @@ _API = '''
     time_fn
     predict Prediction Target device_spec DeviceSpec
     report
+    set_verbosity get_logger DtnbWarning PerformanceWarning EquivalenceWarning CheckpointWarning UsageWarning
 '''.split()
 
 def _module_of(name):

@@ -33,6 +33,7 @@ UNPINNED = {
     '00_core.utils': "defines the pin; shows this machine's own devices",
     '01a_detection.device': "detection: what this machine has",
     '00c_core.models': "model definitions, run where they are built",
+    '00d_core.logs': "log records and warnings: no device",
     '02_launcher.failures': "error reports: no device",
     '02_launcher.network': "routes, addresses and a store heartbeat in one process: no device",
     '02b_launcher.torchrun': "builds torchrun commands",

@@ -220,7 +220,8 @@ def _start_method(start_method, threads):
     hazards = fork_hazards(threads)
     if start_method is None:
         if not hazards: return 'fork'
-        warnings.warn(f"launch starts the ranks with spawn, not fork: {'; '.join(hazards)}", stacklevel=3)
+        warnings.warn(f"launch starts the ranks with spawn, not fork: {'; '.join(hazards)}", PerformanceWarning,
+                      stacklevel=3)
         return 'spawn'
     if start_method not in mp.get_all_start_methods():
         raise ValueError(f"start_method={start_method!r} is not available here: "
@@ -366,7 +367,8 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
     if device: env = {**(env or {}), 'DTNB_DEVICE': device}
     method = _start_method(start_method, threads or 1)  # threads=None: forked ranks get 1 while a pool runs
     if port is not None: check_port(port)
-    if (why := cpu_oversubscription(nprocs, threads, usable_cores())): warnings.warn(why, stacklevel=2)
+    if (why := cpu_oversubscription(nprocs, threads, usable_cores())):
+        warnings.warn(why, PerformanceWarning, stacklevel=2)
     pg_timeout = 600 if timeout is None else timeout + 60  # launch's own timeout reports first, with stacks
     tmp = tempfile.mkdtemp(prefix='dtnb-launch-')
     procs, out = [], _Output(prefix)
