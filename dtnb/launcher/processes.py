@@ -8,6 +8,7 @@ Docs: https://dtnb-dev.github.io/dtnb/launcher.processes.html.md"""
 from __future__ import annotations
 import os, sys, io, gc, time, signal, socket, tempfile, threading, traceback, atexit, shutil, contextlib, datetime
 import warnings
+from ..core.logs import PerformanceWarning
 import multiprocessing as mp
 from multiprocessing.connection import wait as _wait
 from ..detection.device import usable_cores, fork_hazards

@@ -67,7 +67,7 @@ class TensorBoardLogger(Callback):
         if not state.is_main: return
         try: from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
-            raise ImportError("TensorBoardLogger needs tensorboard: pip install tensorboard") from e
+            raise ImportError("TensorBoardLogger needs tensorboard: pip install 'dtnb[tensorboard]'") from e
         self.w, self.done = SummaryWriter(self.log_dir), len(state.result.losses)
     def on_step_end(self, state):
         if self.w is None: return

@@ -383,7 +383,7 @@ def _restore(run) -> int:
     for k in (*_HISTORY, 'validations'): setattr(res, k, hist.get(k, []))
     res.start_step, s.epoch = s.step, hist.get('epochs_done', 0)
     _log.info(f"fit: resumed from {res.resumed_from} at step {s.step}")  # the main rank's (RankFilter)
-    return getattr(run.loader, 'epoch', 0)
+    return getattr(run.loader, 'epoch', s.epoch)  # a loader with its own state_dict (StatefulDataLoader): no epoch
 
 def _finish(run) -> FitResult:
     "Save the last step if no checkpoint holds it yet, wait for background saves, complete the result"
