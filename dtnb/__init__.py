@@ -28,6 +28,7 @@ _API = '''
     predict Prediction Target device_spec DeviceSpec
     report
     set_verbosity get_logger DtnbWarning PerformanceWarning EquivalenceWarning CheckpointWarning UsageWarning
+    check_equivalence EquivalenceReport trace_collectives CollectiveTrace
 '''.split()
 
 def _module_of(name):

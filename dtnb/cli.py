@@ -55,7 +55,7 @@ def _launch(args):
     from dtnb.launcher.torchrun import torchrun_command
     tr, script, script_args = _split_launch_args(args.rest)
     if _runs_file(tr) and not os.path.exists(script): raise ValueError(f"script {script!r} not found")
-    cmd, env = torchrun_command(args.nprocs, script, script_args, tr)
+    cmd, env = torchrun_command(args.nprocs, script, script_args, tr, join_timeout=args.join_timeout)
     if args.peer_timeout is not None: env['DTNB_PEER_TIMEOUT'] = f"{args.peer_timeout:g}"
     if args.log_level: env['DTNB_LOG_LEVEL'] = args.log_level  # -q/-v reach the ranks too
     _log.debug(f"running {' '.join(cmd)}")
@@ -239,6 +239,53 @@ def _add_doctor(sub):
     d.add_argument('--json', action='store_true', help="print the report as JSON")
     d.set_defaults(func=_doctor)
 
+# %% ../nbs/10_cli.ipynb #f8578a25
+def _check(args):
+    from dtnb.reporting.sections import load_spec
+    if args.collectives:
+        from dtnb.debug.collectives import trace_collectives
+        r = trace_collectives(load_spec(args.collectives, '--collectives'), nprocs=args.nprocs, timeout=args.timeout)
+    else:
+        from dtnb.debug.equivalence import check_equivalence
+        if not args.model: raise ValueError("dtnb check needs --model module:factory (or --collectives module:fn)")
+        r = check_equivalence(load_spec(args.model), _check_data(args), args.strategies, args.nprocs, args.steps,
+                              _check_loss(args.loss), args.precision, lr=args.lr, tol=args.tol)
+    print(json.dumps(r.to_dict(), indent=2, default=str) if args.json else r)
+    return 0 if r.equal else 1
+
+def _check_data(args):
+    "One batch (--batch) or a DataLoader over --dataset with the global --batch-size"
+    from dtnb.reporting.sections import load_spec
+    if bool(args.batch) == bool(args.dataset):
+        raise ValueError("dtnb check --model needs one of --batch module:fn (one batch) or --dataset module:fn")
+    if args.batch: return load_spec(args.batch, '--batch')()
+    from torch.utils.data import DataLoader
+    return DataLoader(load_spec(args.dataset, '--dataset')(), batch_size=args.batch_size)
+
+def _check_loss(name):
+    import torch.nn.functional as F
+    from dtnb.reporting.sections import load_spec
+    if name is None: return None  # the model's own .loss, else mse (forward_loss)
+    return {'mse': F.mse_loss, 'cross_entropy': F.cross_entropy}.get(name) or load_spec(name, '--loss')
+
+def _add_check(sub):
+    c = sub.add_parser('check', help="before the GPU job: does training on N CPU ranks match one process; do the "
+                                     "ranks issue the same collectives")
+    c.add_argument('--model', metavar='MODULE:FN', help="FN() builds your model")
+    c.add_argument('--batch', metavar='MODULE:FN', help="FN() returns one (inputs, targets) batch")
+    c.add_argument('--dataset', metavar='MODULE:FN', help="FN() returns your Dataset")
+    c.add_argument('--batch-size', type=int, default=8, help="with --dataset: the global batch")
+    c.add_argument('--strategies', nargs='+', default=['ddp'], help="ddp, zero1, zero2, zero3, fsdp")
+    c.add_argument('--steps', type=int, default=3); c.add_argument('--nprocs', type=int, default=2)
+    c.add_argument('--loss', help="mse, cross_entropy or MODULE:FN (default: the model's .loss, else mse)")
+    c.add_argument('--precision', choices=['fp32', 'bf16-mixed', 'fp16-mixed'])
+    c.add_argument('--lr', type=float, default=0.05, help="SGD's learning rate")
+    c.add_argument('--tol', type=float, help="relative tolerance (default 1e-5; 1e-2 with autocast)")
+    c.add_argument('--collectives', metavar='MODULE:FN', help="trace the collectives of FN() on every rank instead")
+    c.add_argument('--timeout', type=float, default=30, help="with --collectives: seconds a rank waits for the others")
+    c.add_argument('--json', action='store_true', help="print the result as JSON")
+    c.set_defaults(func=_check)
+
 # %% ../nbs/10_cli.ipynb #be41ee21
 LAUNCH_EPILOG = """\
 several nodes: run the same command on each node (HOST: an address of the node that hosts the rendezvous)
@@ -251,7 +298,8 @@ elastic restarts:
   --nnodes=MIN:MAX   start once MIN nodes joined, admit up to MAX. With --max-restarts, a lost node no
                      longer ends the job while MIN remain: the ranks restart with the new world size; a
                      node that joins later makes them restart to take it in. --nnodes=N: MIN=MAX=N.
-  The node hosting the rendezvous (HOST) must stay up: it holds the rendezvous store."""
+  The node hosting the rendezvous (HOST) must stay up: it holds the rendezvous store. A node that is not back
+  within --join-timeout (default 60 s) ends the job, saying how many nodes came."""
 
 # %% ../nbs/10_cli.ipynb #f9d14a9b
 def _shape(s):
@@ -296,6 +344,9 @@ def parser() -> argparse.ArgumentParser:
     l.add_argument('--dry-run', action='store_true', help="print the torchrun command instead of running it")
     l.add_argument('--peer-timeout', type=float, metavar='S', help="seconds a rank may go unheard before every rank "
                    "stops, naming it (DTNB_PEER_TIMEOUT; default 60, 0: off)")
+    l.add_argument('--join-timeout', type=float, metavar='S', help="seconds the nodes have to meet at the rendezvous, "
+                   "at the start and after a restart, before the job stops saying how many came (DTNB_JOIN_TIMEOUT; "
+                   "default 60)")
     l.add_argument('rest', nargs=argparse.REMAINDER, help="torchrun options, then the script and its arguments")
     l.set_defaults(func=_launch)
     _add_plan(sub)
@@ -303,6 +354,7 @@ def parser() -> argparse.ArgumentParser:
     _add_loader(sub)
     _add_checkpoints(sub)
     _add_doctor(sub)
+    _add_check(sub)
     r = sub.add_parser('report', help="run the whole report on this machine: devices, strategies, loader, benchmarks")
     r.add_argument('--out', default='dtnb-report', help="folder for report.md, report.html, results.json and plots")
     r.add_argument('--quick', action='store_true', help="small sizes: about a minute on 2 CPU cores")

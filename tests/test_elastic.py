@@ -89,3 +89,30 @@ def test_min_max_nodes_go_on_without_a_lost_host(cluster, tmp_path):
     assert res['losses'] == pytest.approx(ref['losses'], abs=1e-5)
     assert res['checksum'] == pytest.approx(ref['checksum'], abs=1e-4)
     assert c.pids() == []
+
+
+def test_lost_host_not_back_in_time_ends_the_job_saying_so(cluster, tmp_path):
+    "Host 2 lost for good under --nnodes=2 --max-restarts: host 1 rendezvouses again, waits --join-timeout, then ends"
+    import dtnb
+    c, ck, log = cluster(2), tmp_path / 'checkpoints', tmp_path / 'host1.log'
+    dtnb.latest_checkpoint(tmp_path, warn=False)
+    a1, a2 = [c.run(i, [DTNB, 'launch', '-n', '1', '--nnodes=2', '--max-restarts=2', '--join-timeout=10',
+                        '--rdzv-backend=c10d', f'--rdzv-endpoint={c.addr(1)}:29400', '--rdzv-id=gone', *ARGS,
+                        '--checkpoint-dir', ck],
+                  env=ENV, cwd=ROOT, stdout=open(out, 'w'), stderr=subprocess.STDOUT)
+              for i, out in ((1, log), (2, tmp_path / 'host2.log'))]
+    end = time.monotonic() + 240
+    while not (ck.exists() and dtnb.latest_checkpoint(ck, warn=False)):
+        assert a1.poll() is None and a2.poll() is None, log.read_text()[-2000:]
+        assert time.monotonic() < end, "no checkpoint within 240 s"
+        time.sleep(0.05)
+    t = time.monotonic()
+    subprocess.run(['kill', '-KILL', *map(str, c.pids(2))])  # host 2 is gone and stays gone
+    # the restarted rank's rendezvous waits 10 s, not torch's 600 (the rest: noticing the loss, starting the agent's
+    # rendezvous again, and a busy 2-core machine)
+    assert a1.wait(timeout=120) == 1, log.read_text()[-3000:]
+    took, out = time.monotonic() - t, log.read_text()
+    assert 10 <= took, took
+    assert f"dtnb launch: the rendezvous at {c.addr(1)}:29400 did not gather 2 nodes within 10 s (a node was not " \
+           "started, cannot reach" in out and "--join-timeout=S (DTNB_JOIN_TIMEOUT; now 10 s)" in out, out[-3000:]
+    assert c.pids() == []

@@ -14,7 +14,7 @@ from ..core.utils import accelerators
 from .network import prepare_network, route_to
 
 # %% auto #0
-__all__ = ['torchrun_command']
+__all__ = ['JOIN_TIMEOUT', 'default_join_timeout', 'run_agent', 'rendezvous_failure', 'torchrun_command']
 
 # %% ../../nbs/02b_launcher.torchrun.ipynb #6d167967
 def _local_address(host:str) -> bool:
@@ -25,22 +25,6 @@ def _local_address(host:str) -> bool:
     if ipaddress.ip_address(addr.split('%')[0]).is_loopback: return False
     return any(a.address.split('%')[0] == addr for addrs in psutil.net_if_addrs().values() for a in addrs)
 
-def _option(args, name:str):
-    "The value of torchrun option `name` in `args` (`--name=v` or `--name v`, dashes or underscores), or None"
-    for i, a in enumerate(args):
-        if a.split('=')[0].replace('_', '-') == name:
-            return a.split('=', 1)[1] if '=' in a else (args[i + 1] if i + 1 < len(args) else '')
-    return None
-
-def _rdzv_host_args(torchrun_args) -> list:
-    "`['--rdzv-conf=is_host=1']` when the `--rdzv-endpoint` is an address of this machine (not loopback)"
-    ep = _option(torchrun_args, '--rdzv-endpoint')
-    if not ep or _option(torchrun_args, '--rdzv-conf') is not None: return []
-    if _option(torchrun_args, '--node-rank') not in (None, '0'): return []
-    host = ep.rsplit(':', 1)[0] if ep.count(':') == 1 or ep.startswith('[') else ep
-    return ['--rdzv-conf=is_host=1'] if _local_address(host.strip('[]')) else []
-
-# %% ../../nbs/02b_launcher.torchrun.ipynb #a5068d6c
 def _option(args, *names):
     "The value of the last of `names` in a torchrun argument list (`--opt=v` or `--opt v`), or None"
     val, names = None, {n.replace('_', '-') for n in names}
@@ -49,29 +33,92 @@ def _option(args, *names):
         if k.replace('_', '-') in names: val = v if eq else (args[i + 1] if i + 1 < len(args) else None)
     return val
 
+def _hosts_endpoint(torchrun_args) -> bool:
+    "Whether this node holds the `--rdzv-endpoint` address (not loopback) and should host the rendezvous store"
+    ep = _option(torchrun_args, '--rdzv-endpoint')
+    if not ep or _option(torchrun_args, '--node-rank') not in (None, '0'): return False
+    host = ep.rsplit(':', 1)[0] if ep.count(':') == 1 or ep.startswith('[') else ep
+    return _local_address(host.strip('[]'))
+
+# %% ../../nbs/02b_launcher.torchrun.ipynb #a5068d6c
 def _rendezvous_host(args) -> tuple[str|None, int]:
     "The rendezvous host and the most nodes a torchrun argument list names"
     host = _option(args, '--master-addr') or (_option(args, '--rdzv-endpoint') or '').rsplit(':', 1)[0] or None
     return host, int((_option(args, '--nnodes') or '1').split(':')[-1])
 
+JOIN_TIMEOUT = 60.0
+
+def default_join_timeout(env:dict|None=None) -> float:
+    "Seconds every node has to join the rendezvous, at start and after a restart: `DTNB_JOIN_TIMEOUT`, default 60"
+    v = (os.environ if env is None else env).get('DTNB_JOIN_TIMEOUT', '')
+    try: t = float(v) if v else JOIN_TIMEOUT
+    except ValueError: t = -1
+    if t <= 0: raise ValueError(f"DTNB_JOIN_TIMEOUT={v!r}: give seconds > 0, e.g. DTNB_JOIN_TIMEOUT=300")
+    return t
+
+def _rdzv_conf(torchrun_args, nnodes:int, timeout:float) -> list:
+    "One `--rdzv-conf`: the user's keys, `is_host=1` where this node holds the endpoint, and the join time-out"
+    given = _option(torchrun_args, '--rdzv-conf')
+    conf = dict(kv.split('=', 1) for kv in (given or '').split(',') if '=' in kv)
+    if 'is_host' not in conf and _hosts_endpoint(torchrun_args): conf['is_host'] = '1'
+    if nnodes > 1:  # the static rendezvous (torchrun's default backend) names its time-out `timeout`
+        static = (_option(torchrun_args, '--rdzv-backend') or 'static') == 'static'
+        conf.setdefault('timeout' if static else 'join_timeout', f"{timeout:g}")
+    if not conf or given == ','.join(f"{k}={v}" for k, v in conf.items()): return []
+    return ['--rdzv-conf=' + ','.join(f"{k}={v}" for k, v in conf.items())]
+
+_AGENT = "import sys; from dtnb.launcher.torchrun import run_agent; sys.exit(run_agent(sys.argv[1:]))"
+
+def run_agent(argv) -> int:
+    "torchrun's agent (`torch.distributed.run`) on `argv`; a rendezvous that times out ends in one line that says why"
+    from torch.distributed.run import main
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+    from torch.distributed import DistStoreError, DistNetworkError
+    try: main(argv)
+    except (RendezvousTimeoutError, DistStoreError, DistNetworkError) as e:
+        print(rendezvous_failure(argv, e), file=sys.stderr, flush=True); return 1
+    return 0
+
+def rendezvous_failure(argv, err:Exception) -> str:
+    "What a rendezvous time-out `err` of torchrun on `argv` means, and what to do"
+    import re
+    from torch.distributed import DistNetworkError
+    host, nnodes = _rendezvous_host(argv)
+    port = _option(argv, '--master-port') if _option(argv, '--master-addr') else None
+    ep = f"{host}:{port}" if port else (_option(argv, '--rdzv-endpoint') or host or 'the rendezvous host')
+    conf = dict(kv.split('=', 1) for kv in (_option(argv, '--rdzv-conf') or '').split(',') if '=' in kv)
+    t = conf.get('join_timeout', conf.get('timeout', '600'))
+    start = (f"start `dtnb launch` on every node with the same --nnodes and rendezvous options and each its own "
+             f"--node-rank (`dtnb doctor` on a node checks that it reaches {ep})")
+    longer = f"to give the nodes longer, --join-timeout=S (DTNB_JOIN_TIMEOUT; now {t} s)"
+    if m := re.search(r"(\d+)/(\d+) clients joined", str(err)):
+        return f"dtnb launch: only {m[1]} of {m[2]} nodes joined the rendezvous at {ep} within {t} s: {start}; {longer}"
+    if isinstance(err, DistNetworkError) or 'connect' in str(err):
+        return (f"dtnb launch: this node could not reach the rendezvous host {ep} within {t} s ({err}): start the "
+                f"node with --node-rank=0 there, or fix the address or port (`dtnb doctor` checks them); {longer}")
+    return (f"dtnb launch: the rendezvous at {ep} did not gather {nnodes} nodes within {t} s (a node was not "
+            f"started, cannot reach {ep}, or was lost and not back in time after a restart): {start}; {longer}")
+
 _RDZV_OPTS = ('--standalone', '--rdzv-endpoint', '--rdzv_endpoint', '--master-addr', '--master_addr',
               '--rdzv-backend', '--rdzv_backend')
 
-def torchrun_command(nprocs:int, script:str, script_args=(), torchrun_args=()) -> tuple[list, dict]:
+def torchrun_command(nprocs:int, script:str, script_args=(), torchrun_args=(),
+                     join_timeout:float|None=None, # seconds for the nodes to meet; default DTNB_JOIN_TIMEOUT or 60
+                    ) -> tuple[list, dict]:
     "The torchrun command line and extra environment for `dtnb launch -n nprocs script ...`"
     check_launch_args(print, nprocs)
     if accelerators()[0] is None and (why := cpu_oversubscription(nprocs, None, usable_cores())):
         warnings.warn(why.replace(f"launch(nprocs={nprocs})", f"dtnb launch -n {nprocs}").replace(
             f"Use nprocs=", "Use -n "), PerformanceWarning, stacklevel=2)
-    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc-per-node={nprocs}', *torchrun_args]
+    cmd = [sys.executable, '-c', _AGENT, f'--nproc-per-node={nprocs}', *torchrun_args]
     given = {a.split('=')[0].replace('_', '-') for a in torchrun_args}
     if not given & {o.replace('_', '-') for o in _RDZV_OPTS}:  # rendezvous on loopback
         cmd += ['--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{free_port()}', '--local-addr=127.0.0.1']
-    cmd += _rdzv_host_args(torchrun_args)
+    host, nnodes = _rendezvous_host(torchrun_args)
+    cmd += _rdzv_conf(torchrun_args, nnodes, join_timeout or default_join_timeout())
     if '--nnodes' not in given: cmd.append('--nnodes=1')
     env = dict(TORCH_DISABLE_SHARE_RDZV_TCP_STORE='1',  # restarted groups get a fresh store port (gloo restarts)
                OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', str(max(1, usable_cores() // nprocs))))
-    host, nnodes = _rendezvous_host(torchrun_args)
     env.update(prepare_network(host, nnodes, env=dict(os.environ)))  # multi-node: the interface that reaches `host`
     if nnodes > 1 and host and not given & {'--local-addr', '--master-addr'}:
         cmd.append(f'--local-addr={route_to(host).address}')  # the address this agent advertises, not its hostname

@@ -1,0 +1,55 @@
+"Models, batches and steps for tests/test_debug.py and `dtnb check --model models_debug:<fn>` with tests/ on the path"
+import time
+import torch
+import torch.distributed as dist
+from torch import nn
+
+G = torch.Generator().manual_seed(0)
+X, Y = torch.randn(8, 4, generator=G), torch.randn(8, 2, generator=G)
+IMAGES, LABELS = torch.randn(8, 3, 6, 6, generator=G), torch.randint(3, (8,), generator=G)
+
+
+def mlp() -> nn.Module: return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+def dropout_mlp() -> nn.Module: return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Dropout(0.3), nn.Linear(8, 2))
+def cnn() -> nn.Module:
+    "Conv-BatchNorm-ReLU, pooled, then a classifier of 3 classes: for 3x6x6 images"
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(4, 3))
+def batch(): return X, Y
+def seven(): return torch.utils.data.TensorDataset(X[:7], Y[:7])
+
+
+def good_step():
+    "A correct step: the same collectives on every rank"
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, dist.get_rank())
+    return x.sum().item()
+
+def uneven_step():
+    "Rank 1 takes a branch with an extra all_reduce"
+    x = torch.ones(4)
+    if dist.get_rank() == 1: dist.all_reduce(x)  # extra all_reduce on rank 1
+    dist.all_reduce(x)
+    dist.all_reduce(torch.ones(2))
+
+def metric_on_rank0():
+    "A metric gathered only on rank 0"
+    dist.all_reduce(torch.ones(4))
+    if dist.get_rank() == 0: dist.all_reduce(torch.ones(1))  # metric on rank 0 only
+
+
+class Shifted(nn.Module):
+    "A linear layer plus a buffer that each rank builds from its own rank: unequal unless someone broadcasts it"
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.register_buffer('shift', torch.full((2,), float(dist.get_rank() if dist.is_initialized() else 0)))
+    def forward(self, x): return self.lin(x) + self.shift
+
+
+def stuck():
+    "Rank 1 never reaches the all_reduce rank 0 waits in"
+    if dist.get_rank() == 0: dist.all_reduce(torch.ones(3))
+    else: time.sleep(60)
