@@ -33,6 +33,8 @@ UNPINNED = {
     '00_core.utils': "defines the pin; shows this machine's own devices",
     '01a_detection.device': "detection: what this machine has",
     '00c_core.models': "model definitions, run where they are built",
+    '00d_core.logs': "log records and warnings: no device",
+    '05h_train.trackers': "tracker callbacks and an import error: no device (the runs: tests/test_trackers.py)",
     '02_launcher.failures': "error reports: no device",
     '02_launcher.network': "routes, addresses and a store heartbeat in one process: no device",
     '02b_launcher.torchrun': "builds torchrun commands",

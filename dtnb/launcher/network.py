@@ -9,6 +9,7 @@ from __future__ import annotations
 import os, re, sys, json, time, socket, datetime, threading, traceback, ipaddress, sysconfig
 from dataclasses import dataclass
 from .failures import LaunchError, PEER_GONE
+from ..core.logs import get_logger
 
 # %% auto #0
 __all__ = ['IFNAME_VARS', 'PEER_TIMEOUT', 'NetworkError', 'Route', 'route_to', 'advertised_address', 'socket_ifname_env',
@@ -129,6 +130,8 @@ def check_advertised(master_addr:str, nnodes:int, env:dict|None=None):
         f"NCCL), or unset it and let dtnb choose")
 
 # %% ../../nbs/02_launcher.network.ipynb #1c13014f
+_log = get_logger('dtnb.launcher.network')
+
 def prepare_network(master_addr:str|None, nnodes:int, local_rank:int=0, env:dict|None=None, quiet:bool=False) -> dict:
     "Check (`check_advertised`), then set `GLOO_SOCKET_IFNAME`/`NCCL_SOCKET_IFNAME` in `env` for a multi-node job"
     env = os.environ if env is None else env
@@ -137,9 +140,8 @@ def prepare_network(master_addr:str|None, nnodes:int, local_rank:int=0, env:dict
     check_advertised(master_addr, nnodes, {**env, **sets})
     env.update(sets)
     if sets and local_rank == 0 and not quiet:
-        print(f"dtnb: {socket.gethostname()} uses " + ', '.join(f"{k}={v}" for k, v in sets.items())
-              + f" (the interface that routes to the rendezvous host {master_addr}; set them to override)",
-              file=sys.stderr, flush=True)
+        _log.info(f"{socket.gethostname()} uses " + ', '.join(f"{k}={v}" for k, v in sets.items())
+                 + f" (the interface that routes to the rendezvous host {master_addr}; set them to override)")
     return sets
 
 # %% ../../nbs/02_launcher.network.ipynb #3815e763

@@ -8,6 +8,7 @@ Docs: https://dtnb-dev.github.io/dtnb/launcher.processes.html.md"""
 from __future__ import annotations
 import os, sys, io, gc, time, signal, socket, tempfile, threading, traceback, atexit, shutil, contextlib, datetime
 import warnings
+from ..core.logs import PerformanceWarning, UsageWarning
 import multiprocessing as mp
 from multiprocessing.connection import wait as _wait
 from ..detection.device import usable_cores, fork_hazards
@@ -99,7 +100,7 @@ def init_distributed(backend:str|None=None, # 'gloo', 'nccl', ...; default from 
         raise ValueError("backend='nccl' needs GPUs, and DTNB_DEVICE=cpu places this rank on the CPU: pass "
                          "backend='gloo' (or None), or unset DTNB_DEVICE")
     backend = check_backend(backend)
-    if le.rank == 0 and (why := restart_hazard(backend)): warnings.warn(why, stacklevel=2)
+    if le.rank == 0 and (why := restart_hazard(backend)): warnings.warn(why, UsageWarning, stacklevel=2)
     dev = current_device()
     if dev.type not in ('cpu', 'mps'): torch.accelerator.set_device_index(dev.index)
     if le.launcher != 'dtnb': prepare_network(le.master_addr, le.nnodes, le.local_rank)  # multi-node: the interface
@@ -221,7 +222,8 @@ def _start_method(start_method, threads):
     hazards = fork_hazards(threads)
     if start_method is None:
         if not hazards: return 'fork'
-        warnings.warn(f"launch starts the ranks with spawn, not fork: {'; '.join(hazards)}", stacklevel=3)
+        warnings.warn(f"launch starts the ranks with spawn, not fork: {'; '.join(hazards)}", PerformanceWarning,
+                      stacklevel=3)
         return 'spawn'
     if start_method not in mp.get_all_start_methods():
         raise ValueError(f"start_method={start_method!r} is not available here: "
@@ -367,7 +369,8 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
     if device: env = {**(env or {}), 'DTNB_DEVICE': device}
     method = _start_method(start_method, threads or 1)  # threads=None: forked ranks get 1 while a pool runs
     if port is not None: check_port(port)
-    if (why := cpu_oversubscription(nprocs, threads, usable_cores())): warnings.warn(why, stacklevel=2)
+    if (why := cpu_oversubscription(nprocs, threads, usable_cores())):
+        warnings.warn(why, PerformanceWarning, stacklevel=2)
     pg_timeout = 600 if timeout is None else timeout + 60  # launch's own timeout reports first, with stacks
     tmp = tempfile.mkdtemp(prefix='dtnb-launch-')
     procs, out = [], _Output(prefix)

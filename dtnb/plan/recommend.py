@@ -276,7 +276,9 @@ def memory_explorer(model=7.5e9, # an `nn.Module`, a parameter count, or a `Tran
                     loss_fn=None, world_size:int=8, strategy:str='ddp', optimizer:str='adamw',
                     precision:str=DEFAULT_PRECISION):
     "An ipywidgets explorer of `estimate_memory`: change world size, dtype, batch or strategy and the table follows"
-    import ipywidgets as W
+    try: import ipywidgets as W
+    except ImportError: raise ImportError("memory_explorer needs ipywidgets: pip install 'dtnb[notebook]' (or "
+                                          "ipywidgets); estimate_memory gives the same table without it") from None
     if isinstance(model, TransformerShape): model, shape = model.params(), shape or model
     traces = {}
     def update(world_size, strategy, precision, optimizer, micro_batch, activation_checkpointing, offload):

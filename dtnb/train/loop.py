@@ -18,6 +18,7 @@ from ..core.models import find_blocks
 from ..parallel.fsdp import check_optimizer
 from .resume_state import resumable
 from .checkpoint import latest_checkpoint, save_checkpoint, checkpoint_path
+from ..core.logs import get_logger, CheckpointWarning, UsageWarning
 from .checkpoint_load import load_checkpoint
 
 # %% auto #0
@@ -127,7 +128,7 @@ def _warn_changed(mine, theirs, path):
     if diff and is_main():
         warnings.warn(f"resumed from {path}: this run's optimizer has {', '.join(diff)}; the checkpoint's values "
                       "won (an exact resume). To train on with new values, set them in optimizer.param_groups from "
-                      "a callback's on_fit_start, or start a new checkpoint_dir", stacklevel=3)
+                      "a callback's on_fit_start, or start a new checkpoint_dir", CheckpointWarning, stacklevel=3)
 
 def _resume(checkpoint_dir, model, optimizer, loader, scheduler, scaler) -> tuple[int, dict, str]:
     "Load the newest complete checkpoint in `checkpoint_dir`, if any; returns (its step, the history so far, its path)"
@@ -224,7 +225,7 @@ def _check_lr_drop(first, optimizer, scheduler_interval):
     if scheduler_interval == 'step' and first_lr and lr < 1e-6 * first_lr:
         warnings.warn(f"the learning rate fell from {first_lr:.3g} to {lr:.3g} in the first epoch: a per-epoch "
                       "schedule (StepLR, ExponentialLR, ...) stepped after every step? pass scheduler_interval='epoch'",
-                      stacklevel=4)
+                      UsageWarning, stacklevel=4)
 
 def _compile(model, kind, options=None) -> list:
     "torch.compile each block of `model` in place (the whole model if it has none); returns the block names"
@@ -297,6 +298,7 @@ class _Run:
         for f in self.hooks[hook]: f(self.state)
 
 # %% ../../nbs/05e_train.loop.ipynb #a529a594
+_log = get_logger('dtnb.train.loop')  # fit's messages; results are FitResult's
 def _flush(run):
     "The steps since the last flush into the result: losses averaged over the ranks (one all-reduce), norms, lrs"
     p, res = run.pending, run.state.result
@@ -380,8 +382,8 @@ def _restore(run) -> int:
     if not res.resumed_from: return 0
     for k in (*_HISTORY, 'validations'): setattr(res, k, hist.get(k, []))
     res.start_step, s.epoch = s.step, hist.get('epochs_done', 0)
-    if is_main(): print(f"fit: resumed from {res.resumed_from} at step {s.step}", flush=True)
-    return getattr(run.loader, 'epoch', 0)
+    _log.info(f"fit: resumed from {res.resumed_from} at step {s.step}")  # the main rank's (RankFilter)
+    return getattr(run.loader, 'epoch', s.epoch)  # a loader with its own state_dict (StatefulDataLoader): no epoch
 
 def _finish(run) -> FitResult:
     "Save the last step if no checkpoint holds it yet, wait for background saves, complete the result"
