@@ -31,3 +31,43 @@ def test_skipped_all_reduce_under_dtnb_launch_names_rank_and_line(tmp_path):
     for want in ('rank 0 waited', 'in all_reduce at skip.py:7 (`dist.all_reduce(x)`)', 'collective #2 of the default',
                  'rank 1 never issued it', 'after 1 collective of that group, it returned'):
         assert want in summary, f"{want!r} not in:\n{out[-3000:]}"
+
+
+class SlowLoader:
+    "Batches of a list, each `delay` seconds late (a slow disk or decoder)"
+    def __init__(self, batches, delay): self.batches, self.delay = batches, delay
+    def __len__(self): return len(self.batches)
+    def __iter__(self):
+        for b in self.batches: time.sleep(self.delay); yield b
+
+def busy(seconds):
+    "Compute (the CPU kept busy) for `seconds`"
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end: pass
+
+def two_slow_ranks():
+    "fit twice on each rank: a slow loader on rank 1, then extra compute on rank 0; each run's RankSteps"
+    import torch, dtnb
+    out = []
+    for slow_data in (True, False):
+        model = dtnb.ToyModel(d=16, depth=1)  # not DDP: its construction imports torch._dynamo, seconds per rank
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = dtnb.toy_data(20 * 8).tensors
+        batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, len(x), 8)]
+        loader = SlowLoader(batches, 0.02 if slow_data and dtnb.rank() == 1 else 0)
+        def step(m, b):
+            if not slow_data and dtnb.rank() == 0: busy(0.02)
+            loss = torch.nn.functional.mse_loss(m(b[0]), b[1])
+            torch.distributed.all_reduce(loss.detach().clone())  # the ranks meet once a step, as DDP's all-reduce does
+            return loss
+        r = dtnb.fit(model, loader, opt, step_fn=step, log_every=5, progress=False)
+        out.append((r.ranks.straggler, r.ranks.verdict, str(r)))
+    return out
+
+def test_fit_names_the_slow_rank_and_its_cause():
+    import torch._dynamo  # any optimizer imports it (seconds): once here, not in each rank
+    from dtnb import launch
+    (data_rank, data_verdict, summary), (busy_rank, busy_verdict, _) = launch(two_slow_ranks, nprocs=2)[0]
+    assert data_rank == 1 and 'rank 1 is slower than the others: data wait' in data_verdict, data_verdict
+    assert data_verdict in summary  # FitResult's summary says it
+    assert busy_rank == 0 and 'rank 0 is slower than the others: compute' in busy_verdict, busy_verdict
