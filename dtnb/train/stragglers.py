@@ -55,7 +55,8 @@ class RankSteps:
     "Each rank's step time split into data wait, compute and collective wait, per `log_every` interval; a slow rank"
     intervals: list = field(default_factory=list)  # per interval: one split_interval dict per rank
     steps: list = field(default_factory=list)      # optimizer steps in each interval
-    margin: float = 0.1  # slower: its own time (data wait + compute) exceeds every other's by this share of the step
+    ratio: float = 1.5    # slower: its own time (data wait + compute) at least this many times every other's ...
+    margin: float = 0.05  # ... and longer by at least this share of the step
 
     @property
     def judged(self) -> list: return self.intervals[1:] or self.intervals
@@ -67,7 +68,8 @@ class RankSteps:
         own = [s['data'] + s['compute'] for s in iv]
         r = max(range(len(own)), key=own.__getitem__)
         others = [o for i, o in enumerate(own) if i != r]
-        return r if others and own[r] - max(others) >= self.margin * _mean([s['wall'] for s in iv]) else None
+        top = max(others, default=own[r])
+        return r if own[r] >= self.ratio * top and own[r] - top >= self.margin * _mean([s['wall'] for s in iv]) else None
     @property
     def straggler(self) -> int|None:
         "The rank consistently slower than the others, or None"
