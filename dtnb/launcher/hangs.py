@@ -40,8 +40,8 @@ class PendingCollective:
     waited_s: float    # seconds since it was issued
     timeout_s: float|None = None  # the process group's timeout
     def __str__(self):
-        named = self.group_desc not in ('', 'undefined')
-        g = 'the default group' if self.group_desc == 'default_pg' else f"group {self.group_desc if named else self.group}"
+        name = self.group_desc if self.group_desc not in ('', 'undefined') else self.group
+        g = 'the default group' if self.group_desc == 'default_pg' else f"group {name}"
         args = ', '.join(f"{'x'.join(map(str, s)) or 'scalar'} {d.lower()}" for s, d in zip(self.shapes, self.dtypes))
         src = f" (`{self.line}`)" if self.line else ''
         return f"{self.op} at {self.where}{src}, collective #{self.seq} of {g}" + (f" ({args})" if args else '')

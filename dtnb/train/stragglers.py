@@ -68,8 +68,8 @@ class RankSteps:
         own = [s['data'] + s['compute'] for s in iv]
         r = max(range(len(own)), key=own.__getitem__)
         others = [o for i, o in enumerate(own) if i != r]
-        top = max(others, default=own[r])
-        return r if own[r] >= self.ratio * top and own[r] - top >= self.margin * _mean([s['wall'] for s in iv]) else None
+        top, wall = max(others, default=own[r]), _mean([s['wall'] for s in iv])
+        return r if own[r] >= self.ratio * top and own[r] - top >= self.margin * wall else None
     @property
     def straggler(self) -> int|None:
         "The rank consistently slower than the others, or None"
