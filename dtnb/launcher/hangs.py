@@ -121,11 +121,15 @@ def late_ranks(pending:PendingCollective, peers:dict) -> list:
     "The ranks (of `peers`: {rank: heartbeat record}) whose counts show they never issued `pending`"
     return sorted(r for r, rec in peers.items() if rec.get('seqs', {}).get(pending.group, pending.seq) < pending.seq)
 
-def hang_message(rank:int, pending:PendingCollective, peers:dict) -> str:
+def hang_message(rank:int, pending:PendingCollective, peers:dict, world:int=0) -> str:
     "The one error of rank `rank` waiting in `pending` past its timeout, naming the ranks of `peers` that never came"
     late, t = late_ranks(pending, peers), pending.timeout_s
+    unheard = [r for r in range(world) if r != rank and r not in peers]
     head = f"rank {rank} waited {pending.waited_s:.0f} s" + (f" (the process group's timeout: {t:g} s)" if t else '')
     head += f" in {pending}"
+    if not late and unheard:
+        return (f"{head}; rank{'s' * (len(unheard) > 1)} {', '.join(map(str, unheard))} never wrote a heartbeat to the "
+                "job's store, so whether they issued it is unknown")
     if not late:
         return (f"{head}; every other rank issued collective #{pending.seq} of that group, so they disagree on it "
                 "(operation, shapes or group): dtnb.trace_collectives(fn) shows each rank's sequence beside the others")

@@ -395,7 +395,7 @@ def _hung(w:PeerWatch, e:BaseException, tb=None) -> CollectiveTimeout|None:
     if isinstance(_bounded(lambda: _read_peers(w), 2), PeerLostError): return None  # a peer failed or was lost
     late = late_ranks(p, w.peers)
     if not late and not timed_out: return None  # a broken link while every rank had come: a lost peer
-    return CollectiveTimeout(hang_message(w.rank, p, w.peers), w.rank, late)
+    return CollectiveTimeout(hang_message(w.rank, p, w.peers, w.world), w.rank, late)
 
 def _excepthook(tp, e, tb):
     "An uncaught error of a watched rank: one error naming the lost peer, or tell the peers this rank failed"
