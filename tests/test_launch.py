@@ -158,6 +158,22 @@ def test_two_nodes_on_loopback():
     assert len(results) == 1 and results[0]['world_size'] == 2 and results[0]['steps'] == 3
 
 
+def test_plain_torchrun_restarts_on_gloo_are_warned_about():
+    "torchrun --max-restarts on gloo: init_distributed warns (rank 0) unless each restart gets a store of its own"
+    from dtnb.launcher.processes import free_port
+    env = {k: v for k, v in ENV.items() if k != 'TORCH_DISABLE_SHARE_RDZV_TCP_STORE'}
+    run = lambda **extra: subprocess.Popen(
+        [PY, '-m', 'torch.distributed.run', '--nproc-per-node=1', '--max-restarts=1', '--rdzv-backend=c10d',
+         f'--rdzv-endpoint=127.0.0.1:{free_port()}', 'examples/train.py', '--steps', '1'],
+        cwd=ROOT, env={**env, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    shared, own = run(), run(TORCH_DISABLE_SHARE_RDZV_TCP_STORE='1')
+    (_, err_shared), (_, err_own) = shared.communicate(timeout=180), own.communicate(timeout=180)
+    assert (shared.returncode, own.returncode) == (0, 0), (err_shared[-2000:], err_own[-2000:])
+    said = "torchrun --max-restarts=1 on gloo with the agent's shared store: restarted ranks reuse its port"
+    assert said in err_shared and "Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in err_shared, err_shared[-2000:]
+    assert said not in err_own, err_own[-2000:]
+
+
 def test_cli_launch_bad_input_is_fast():
     t = time.monotonic()
     subprocess.run([sys.executable, '-c', 'import torch'], check=True)   # what any torch command costs here, now

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 
 # %% auto #0
-__all__ = ['expand_nodelist', 'LaunchEnvError', 'LaunchEnv', 'parse_launch_env']
+__all__ = ['expand_nodelist', 'LaunchEnvError', 'LaunchEnv', 'parse_launch_env', 'restart_hazard']
 
 # %% ../../nbs/01_detection.env.ipynb #8c347b9c
 def _expand_group(s):
@@ -178,3 +178,13 @@ def parse_launch_env(env:Mapping|None=None) -> LaunchEnv:
                              f"{kw['local_world_size']}")
     kw['node_rank'] = rank // kw['local_world_size'] if nr is None else nr  # mpirun fills nodes in rank order
     return LaunchEnv(**kw)
+
+# %% ../../nbs/01_detection.env.ipynb #ba8165e9
+def restart_hazard(backend:str, env:Mapping|None=None) -> str|None:
+    "Why torchrun's restarts of this job may fail (gloo on the agent's shared store), with the fix; else None"
+    env = os.environ if env is None else env
+    restarts = int(env.get('TORCHELASTIC_MAX_RESTARTS') or 0)
+    if backend != 'gloo' or restarts < 1 or env.get('TORCHELASTIC_USE_AGENT_STORE') != 'True': return None
+    return (f"torchrun --max-restarts={restarts} on gloo with the agent's shared store: restarted ranks reuse its "
+            "port and may fail in connectFullMesh. Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 where you run torchrun "
+            "(`dtnb launch` sets it)")

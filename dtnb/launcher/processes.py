@@ -11,7 +11,7 @@ import warnings
 import multiprocessing as mp
 from multiprocessing.connection import wait as _wait
 from ..detection.device import usable_cores, fork_hazards
-from ..detection.env import parse_launch_env, LaunchEnvError
+from ..detection.env import parse_launch_env, LaunchEnvError, restart_hazard
 from .failures import LaunchError, report_failure
 from .network import prepare_network, start_peer_watch, stop_peer_watch
 from .hangs import enable_flight_recorder
@@ -100,6 +100,7 @@ def init_distributed(backend:str|None=None, # 'gloo', 'nccl', ...; default from 
         raise ValueError("backend='nccl' needs GPUs, and DTNB_DEVICE=cpu places this rank on the CPU: pass "
                          "backend='gloo' (or None), or unset DTNB_DEVICE")
     backend = check_backend(backend)
+    if le.rank == 0 and (why := restart_hazard(backend)): warnings.warn(why, stacklevel=2)
     dev = current_device()
     if dev.type not in ('cpu', 'mps'): torch.accelerator.set_device_index(dev.index)
     if le.launcher != 'dtnb': prepare_network(le.master_addr, le.nnodes, le.local_rank)  # multi-node: the interface
