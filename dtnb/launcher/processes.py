@@ -15,6 +15,7 @@ from ..detection.device import usable_cores, fork_hazards
 from ..detection.env import parse_launch_env, LaunchEnvError, restart_hazard
 from .failures import LaunchError, report_failure
 from .network import prepare_network, start_peer_watch, stop_peer_watch
+from .hangs import enable_flight_recorder
 from ..core.utils import accelerators, cpu_pinned
 from ..core.dist import current_device, too_many_ranks, barrier
 
@@ -106,6 +107,7 @@ def init_distributed(backend:str|None=None, # 'gloo', 'nccl', ...; default from 
     if le.launcher != 'dtnb': prepare_network(le.master_addr, le.nnodes, le.local_rank)  # multi-node: the interface
     kw = _rendezvous(os.environ, timeout if rdzv_timeout is None else rdzv_timeout)
     start_peer_watch(parse_launch_env(), peer_timeout)  # a lost peer stops every rank, naming it (launcher.network)
+    if le.launcher != 'dtnb': enable_flight_recorder()  # a timed-out collective names itself (launcher.hangs)
     if backend == 'nccl': kw['device_id'] = dev
     dist.init_process_group(backend, rank=le.rank, world_size=le.world_size,
                             timeout=datetime.timedelta(seconds=timeout), **kw)

@@ -20,6 +20,7 @@ from .resume_state import resumable
 from .checkpoint import latest_checkpoint, save_checkpoint, checkpoint_path
 from ..core.logs import get_logger, CheckpointWarning, UsageWarning
 from .checkpoint_load import load_checkpoint
+from .stragglers import watch_ranks
 
 # %% auto #0
 __all__ = ['FitResult', 'FitState', 'fit']
@@ -40,6 +41,7 @@ class FitResult:
     grad_norms: list = field(default_factory=list)   # gradient norm of each step, before clipping
     validations: list = field(default_factory=list)  # one dict per validation: step, epoch, val_loss, metrics
     stopped: str = ''         # why training stopped early (a callback's reason), if it did
+    ranks: object = None      # several ranks: each one's step split (RankSteps: data, compute, collective wait)
 
     @property
     def samples_per_s(self): return self.samples / self.seconds if self.seconds else 0.0
@@ -63,8 +65,8 @@ class FitResult:
 
     _cols = ('strategy', 'steps', 'first loss', 'last loss', 'samples/s', 'seconds', 'waiting for data',
              'last validation')
-    def _repr_markdown_(self): return md_table(self._cols, self._rows())
-    def __str__(self): return text_table(self._cols, self._rows())
+    def _repr_markdown_(self): return md_table(self._cols, self._rows()) + f"\n\n{self.ranks.verdict}"*bool(self.ranks)
+    def __str__(self): return text_table(self._cols, self._rows()) + (f"\n{self.ranks.verdict}" if self.ranks else '')
 
 # %% ../../nbs/05e_train.loop.ipynb #c010
 def _at_end(loader, served) -> bool:
@@ -132,8 +134,7 @@ def _warn_changed(mine, theirs, path):
 
 def _resume(checkpoint_dir, model, optimizer, loader, scheduler, scaler) -> tuple[int, dict, str]:
     "Load the newest complete checkpoint in `checkpoint_dir`, if any; returns (its step, the history so far, its path)"
-    last = latest_checkpoint(checkpoint_dir)
-    if last is None: return 0, {}, ''
+    if (last := latest_checkpoint(checkpoint_dir)) is None: return 0, {}, ''
     mine = _hyper(optimizer, scheduler)
     ck = load_checkpoint(last, model, optimizer, loader=loader)
     state = ck.extra.get('fit', {})
@@ -232,8 +233,7 @@ def _compile(model, kind, options=None) -> list:
     if kind == 'pipeline': raise ValueError("compile=True does not apply to a pipeline: compile its stages")
     m, options = model.module if kind == 'ddp' else model, options or {}
     blocks = find_blocks(m)
-    for name in blocks: m.get_submodule(name).compile(**options)
-    if not blocks: m.compile(**options)
+    for name in blocks or ['']: m.get_submodule(name).compile(**options)  # '': the whole model
     return blocks
 
 # %% ../../nbs/05e_train.loop.ipynb #aecf5fad
@@ -365,8 +365,7 @@ def _train_step(run, group) -> bool:
 
 def _end_epoch(run) -> bool:
     "The end of a pass over the loader: a per-epoch schedule steps, validation may run; returns whether to stop"
-    s = run.state
-    s.epoch += 1
+    s = run.state; s.epoch += 1
     if run.scheduler is not None and run.scheduler_interval == 'epoch': run.scheduler.step()
     if run.scheduler is not None and s.epoch == 1:
         _check_lr_drop(s.result.lrs[:1] or run.pending['lr'][:1], s.optimizer, run.scheduler_interval)
@@ -442,6 +441,7 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
     ended = state.epoch > first        # a checkpoint taken after that epoch's end was handled
     run.bar = _progress(progress, run.loader, epochs, max_steps, accumulate, state.step)
     run.stoppable, run.t0 = _any_rank(any(run.hooks.values())), time.perf_counter()
+    watch_ranks(run.hooks, log_every, progress)  # several ranks: a slower one named with its cause (train.stragglers)
 
     run.call('on_fit_start')
     done = lambda: max_steps is not None and state.step >= max_steps
