@@ -64,10 +64,10 @@ case "${1:-}" in
          # The notebooks run once. nbdev-test keeps their outputs (--save), the docs site that tests/test_site.py checks
          # is rendered from them, then the outputs go again (notebooks are committed without outputs), also on failure.
          trap strip_outputs EXIT
-         DTNB_NO_CLUSTER=1 NBDEV_TEST="$VENV/bin/nbdev-test" bash tools/test_notebooks.sh --save ${DTNB_NBDEV_TEST_ARGS:-}
+         DTNB_NO_CLUSTER=1 NBDEV_TEST="$VENV/bin/nbdev-test" bash tools/test_notebooks.sh --save --timing ${DTNB_NBDEV_TEST_ARGS:-}
          "$VENV/bin/python" tools/docs.py build --no-exec
          strip_outputs; trap - EXIT
-         "$VENV/bin/pytest" tests/ -q -m "not cluster and not cluster_long" ;;
+         "$VENV/bin/pytest" tests/ -q -m "not cluster and not cluster_long" --durations=25 ;;  # the slowest 25: the budget
   test-long) setup  # minutes on namespace hosts (pytest markers cluster, cluster_long) and the cluster tutorial
          test_deps
          slurm_deps

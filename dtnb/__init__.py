@@ -8,7 +8,7 @@ _API = '''
     detect DeviceReport parse_launch_env LaunchEnv fork_hazards
     ToyModel TinyTransformer toy_data toy_sequences find_blocks
     launch LaunchError init_distributed shutdown rank world_size local_rank is_main barrier rank0_first current_device
-    placement preflight DoctorReport
+    placement preflight DoctorReport CollectiveTimeout
     wrap make_optimizer apply_activation_checkpointing batchnorm_layers distributed_loader
     full_state_dict check_optimizer size_groups
     apply_pipeline Pipeline causal_lm_loss split_model PipelineSplit PipelineTimeline PipelineTimelines
@@ -16,16 +16,19 @@ _API = '''
     schedule_order bubble_fraction
     Degrees parallelize tp_plan apply_tp data_rank
     estimate_memory recommend measure_memory trace_activations memory_explorer TransformerShape MemoryEstimate
+    layout_candidates step_time
     MemoryPlan MemoryMeasurement
     find_batch_size BatchSize
     save_checkpoint load_checkpoint latest_checkpoint list_checkpoints checkpoint_path resumable
     export_model export_checkpoint load_exported CheckpointError
-    fit FitResult FitState evaluate Callback CSVLogger TensorBoardLogger EarlyStopping KeepBest
+    fit FitResult FitState RankSteps evaluate Callback CSVLogger TensorBoardLogger EarlyStopping KeepBest
+    find_lr LRRangeTest Profiler WandbLogger MLflowLogger
     profile_loader input_bound tune_loader loader_report SyntheticDataset StepTimer
     bench_matmul bench_memory bench_collectives bench_model bench_scaling bench_all cost_per_experiment BenchResult
     time_fn
     predict Prediction Target device_spec DeviceSpec
     report
+    set_verbosity get_logger DtnbWarning PerformanceWarning EquivalenceWarning CheckpointWarning UsageWarning
     check_equivalence EquivalenceReport trace_collectives CollectiveTrace
 '''.split()
 

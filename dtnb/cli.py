@@ -6,13 +6,16 @@ Docs: https://dtnb-dev.github.io/dtnb/cli.html.md"""
 
 # %% ../nbs/10_cli.ipynb #b9766746
 from __future__ import annotations
-import argparse, json, sys
+import argparse, json, os, sys
 from pathlib import Path
+from .core.logs import get_logger, set_verbosity
 
 # %% auto #0
-__all__ = ['LAUNCH_EPILOG', 'parser', 'main']
+__all__ = ['LAUNCH_EPILOG', 'REPORT_SECTIONS', 'parser', 'main']
 
 # %% ../nbs/10_cli.ipynb #e8d45553
+_log = get_logger('dtnb.cli')  # what the command says besides its result (stdout): `wrote FILE`, the torchrun line
+
 def _env(args):
     from dtnb.detection.device import detect
     from dtnb.launcher.network import network_summary
@@ -28,24 +31,34 @@ def _html_out(path, title, sections, subtitle=''):
     from dtnb.reporting.document import html_page
     page = html_page(title, sections, subtitle)
     if path == '-': print(page)
-    else: Path(path).write_text(page); print(f"wrote {path}", file=sys.stderr)
+    else: Path(path).write_text(page); _log.info(f"wrote {path}")
     return 0
 
 # %% ../nbs/10_cli.ipynb #71ad937d
 def _split_launch_args(rest):
-    "Split `[torchrun options] script.py [script args]` at the script"
-    for i, a in enumerate(rest):
-        if a.endswith('.py') and not a.startswith('-'): return rest[:i], a, rest[i + 1:]
-    raise ValueError("dtnb launch needs a script to run, e.g. `dtnb launch -n 2 train.py --epochs 1` "
-                     "(torchrun options go before the script)")
+    "Split `[torchrun options] [-m | --no-python] script [script args]` where torchrun would: at its first positional"
+    from torch.distributed.run import get_args_parser
+    takes_value = {o for a in get_args_parser()._actions if a.nargs != 0 for o in a.option_strings}
+    i = 0
+    while i < len(rest):
+        if not rest[i].startswith('-'): return rest[:i], rest[i], rest[i + 1:]
+        i += 1 + (rest[i] in takes_value)  # `--opt value` is two arguments, `--opt=value` one
+    raise ValueError("dtnb launch needs a script to run, e.g. `dtnb launch -n 2 train.py --epochs 1` or "
+                     "`dtnb launch -n 2 -m package.train` (torchrun options go before the script)")
+
+def _runs_file(torchrun_args) -> bool:
+    "Whether the launched program is a script file (not `-m module`, not a `--no-python` program)"
+    return not {'-m', '--module', '--no-python', '--no_python'} & set(torchrun_args)
 
 def _launch(args):
     import os, subprocess
     from dtnb.launcher.torchrun import torchrun_command
     tr, script, script_args = _split_launch_args(args.rest)
-    if not os.path.exists(script): raise ValueError(f"script {script!r} not found")
+    if _runs_file(tr) and not os.path.exists(script): raise ValueError(f"script {script!r} not found")
     cmd, env = torchrun_command(args.nprocs, script, script_args, tr, join_timeout=args.join_timeout)
     if args.peer_timeout is not None: env['DTNB_PEER_TIMEOUT'] = f"{args.peer_timeout:g}"
+    if args.log_level: env['DTNB_LOG_LEVEL'] = args.log_level  # -q/-v reach the ranks too
+    _log.debug(f"running {' '.join(cmd)}")
     if args.dry_run: print(' '.join(cmd)); return 0
     return subprocess.run(cmd, env={**os.environ, **env}).returncode
 
@@ -55,7 +68,7 @@ def _report(args):
     rep = report(out=args.out, quick=args.quick, model=args.model, input_shape=args.input_shape, batch=args.batch,
                  dataset=args.dataset, sections=args.sections)
     print(rep)
-    print(f"\nwrote {args.out}/report.md, report.html, results.json and plots", file=sys.stderr)
+    _log.info(f"wrote {args.out}/report.md, report.html, results.json and plots")
     return 0 if rep.ok else 1
 
 # %% ../nbs/10_cli.ipynb #20ef5ca0
@@ -79,7 +92,7 @@ def _plan(args):
     else:
         r = recommend(model, shape=shape, world_size=args.world_size, optimizer=args.optimizer,
                       precision=args.precision,
-                      memory=args.memory, margin=args.margin)
+                      memory=args.memory, margin=args.margin, layouts=args.layouts)
     print(json.dumps(r.to_dict(), indent=2) if args.json else r)
     return 0
 
@@ -104,7 +117,7 @@ def _predict(args, model):
                 prices=args.prices, efficiency=args.efficiency, optimizer=args.optimizer, strategy=force or None)
     if args.plot:
         ax = r.plot(); ax.figure.tight_layout(); ax.figure.savefig(args.plot, dpi=120)
-        print(f"wrote {args.plot}", file=sys.stderr)
+        _log.info(f"wrote {args.plot}")
     print(json.dumps(r.to_dict(), indent=2) if args.json else r)
     return 0
 
@@ -133,6 +146,8 @@ def _add_plan(sub):
     p.add_argument('--activation-checkpointing', action='store_true',
                    help="with --strategy: recompute each block's activations in the backward")
     p.add_argument('--offload', action='store_true', help="with --strategy: CPU offload")
+    p.add_argument('--layouts', action='store_true', help="search parallelize's layouts (tp x pp x dp_shard x "
+                                                         "dp_replicate) and rank those that fit by predicted step time")
     p.add_argument('--json', action='store_true', help="print as JSON")
     q = p.add_argument_group('prediction', "--predict: step time, wall time and cost on each GPU of --gpus")
     q.add_argument('--predict', action='store_true', help="predict the run on each of --gpus instead")
@@ -296,9 +311,29 @@ def _shape(s):
     if not shape or min(shape) < 1: raise argparse.ArgumentTypeError(f"{s!r}: write sizes like 3,32,32")
     return shape
 
+REPORT_SECTIONS = ('env', 'plan', 'training', 'loader', 'bench')  # `dtnb.reporting.sections.SECTIONS`, not imported
+
+def _list_choices(p:argparse.ArgumentParser):
+    "Name the choices in the help of every option whose metavar hides them (`--only NAME`), in `p` and its commands"
+    for a in p._actions:
+        if a.choices and a.metavar and not isinstance(a.choices, dict):
+            a.help = f"{a.help or ''} (choices: {', '.join(map(str, a.choices))})".strip()
+        if isinstance(a, argparse._SubParsersAction):
+            for q in a.choices.values(): _list_choices(q)
+
+def _add_verbosity(p, default):
+    g = p.add_mutually_exclusive_group()
+    g.add_argument('-q', '--quiet', dest='log_level', action='store_const', const='WARNING', default=default,
+                   help="say only warnings and errors on stderr, also on launched ranks (DTNB_LOG_LEVEL=WARNING)")
+    g.add_argument('-v', '--verbose', dest='log_level', action='store_const', const='DEBUG', default=default,
+                   help="say debug messages too (DTNB_LOG_LEVEL=DEBUG)")
+
 def parser() -> argparse.ArgumentParser:
     "The `dtnb` command-line parser with all its subcommands"
+    import dtnb
     p = argparse.ArgumentParser(prog='dtnb', description="Take PyTorch training from one device to many.")
+    p.add_argument('--version', action='version', version=f"dtnb {dtnb.__version__}")
+    _add_verbosity(p, None)
     sub = p.add_subparsers(dest='command', metavar='COMMAND')
     e = sub.add_parser('env', help="what this machine and this launch can do for training")
     e.add_argument('--json', action='store_true', help="print the report as JSON")
@@ -330,8 +365,11 @@ def parser() -> argparse.ArgumentParser:
                    "targets derived from the model's output (K>1 classes: labels + cross-entropy; else mse)")
     r.add_argument('--batch', metavar='MODULE:FN', help="FN() returns one (inputs, targets) batch of your data")
     r.add_argument('--dataset', metavar='MODULE:FN', help="FN() returns your Dataset of (input, target) samples")
-    r.add_argument('--sections', nargs='+', default=None, help="only these sections")
+    r.add_argument('--sections', nargs='+', default=None, metavar='NAME', choices=REPORT_SECTIONS,
+                   help="only these sections")
     r.set_defaults(func=_report)
+    for q in sub.choices.values(): _add_verbosity(q, argparse.SUPPRESS)  # `dtnb -q report` or `dtnb report -q`
+    _list_choices(p)
     return p
 
 # %% ../nbs/10_cli.ipynb #690e2595
@@ -343,9 +381,12 @@ def main(argv:list[str]|None=None) -> int:
     if extra: args.rest = extra + args.rest  # torchrun options that argparse does not know, before the script
     if not getattr(args, 'func', None): p.print_help(); return 2
     from dtnb.launcher.network import NetworkError
+    log, level = get_logger('dtnb'), get_logger('dtnb').level
+    if args.log_level: set_verbosity(args.log_level)
     try: return args.func(args) or 0
     except (ValueError, NetworkError) as e:  # bad input (a malformed launcher variable, a wrong option value, an
         # interface that cannot reach the other nodes): say what, not where
         if argv is not None: raise
         print(f"dtnb {args.command}: error: {e}", file=sys.stderr)
         return 2
+    finally: log.setLevel(level)  # main([...]) from a notebook leaves the level as it was

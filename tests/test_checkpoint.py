@@ -159,3 +159,28 @@ def test_batchnorm_ddp_resumes_bitwise_buffers_included(tmp_path):
     assert not torch.equal(s[0][False]['1.running_mean'], s[1][False]['1.running_mean'])
     own = torch.load(Path(ck) / 'False' / 'step_00000003' / 'rank_00001.pt', weights_only=True)['buffers']
     assert '1.running_mean' in own and '1.weight' not in own
+
+
+def test_stateful_dataloader_resumes_bitwise(tmp_path):
+    "torchdata's StatefulDataLoader (its own state_dict) through fit(checkpoint_dir=...): stopped mid-epoch, resumed"
+    sdl = pytest.importorskip('torchdata.stateful_dataloader', reason="no torchdata (the dev extra installs it)")
+    from dtnb.core.models import ToyModel, toy_data
+    from dtnb.train.checkpoint_load import load_checkpoint
+
+    def run(ckpt, steps):
+        torch.manual_seed(0)
+        model = ToyModel()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        loader = sdl.StatefulDataLoader(toy_data(48), batch_size=8, shuffle=True, num_workers=0)
+        from dtnb.train.loop import fit
+        r = fit(model, loader, opt, epochs=2, max_steps=steps, progress=False, checkpoint_dir=ckpt)
+        return r, model
+
+    n = torch.get_num_threads(); torch.set_num_threads(1)  # a tiny model: one thread
+    try: whole, m1 = run(None, None); first, _ = run(tmp_path, 8); again, m2 = run(tmp_path, None)  # 6 batches/epoch
+    finally: torch.set_num_threads(n)
+    assert (first.start_step, again.start_step, len(again.losses)) == (0, 8, 12)
+    assert again.losses == whole.losses               # the same batches in the same order, bitwise
+    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
+    ck = load_checkpoint(again.resumed_from, ToyModel())
+    assert ck.data == dict(epoch=None, offset=2) and '2 batches served' in str(ck)  # the one it resumed from: step 8

@@ -58,8 +58,8 @@ def test_hosts_train_equal_to_one_process(cluster, tmp_path, one_process, n):
     out = [l.read_text() for l in logs]
     assert codes == [0] * n, '\n'.join(o[-3000:] for o in out)
     for i, o in zip(c.hosts, out):  # each host chose its own interface, and said so
-        assert f"dtnb: host{i} uses GLOO_SOCKET_IFNAME=eth0, NCCL_SOCKET_IFNAME=eth0 (the interface that routes " \
-               f"to the rendezvous host {c.addr(1)}" in o, o[-2000:]
+        assert f"dtnb.launcher.network: host{i} uses GLOO_SOCKET_IFNAME=eth0, NCCL_SOCKET_IFNAME=eth0 (the interface " \
+               f"that routes to the rendezvous host {c.addr(1)}" in o, o[-2000:]
     got = results(logs[0])
     assert len(got) == 1 and not any(results(l) for l in logs[1:])  # only the main rank reports
     got = got[0]

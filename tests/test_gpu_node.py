@@ -33,7 +33,11 @@ UNPINNED = {
     '00_core.utils': "defines the pin; shows this machine's own devices",
     '01a_detection.device': "detection: what this machine has",
     '00c_core.models': "model definitions, run where they are built",
+    '00d_core.logs': "log records and warnings: no device",
+    '05h_train.trackers': "tracker callbacks and an import error: no device (the runs: tests/test_trackers.py)",
     '02_launcher.failures': "error reports: no device",
+    '02_launcher.hangs': "flight recorder entries and heartbeat records on paper: no device",
+    '05d_train.stragglers': "per-rank step splits on paper (fit's ranks: tests/test_hangs.py)",
     '02_launcher.network': "routes, addresses and a store heartbeat in one process: no device",
     '02b_launcher.torchrun': "builds torchrun commands",
     '02c_launcher.doctor': "one process in its cells (the multi-host runs are tests/test_doctor.py); gloo on CPU",
@@ -88,7 +92,8 @@ def _pytestmark_fixtures(tree) -> set:
 
 # Test modules that run unpinned, and why; every other module lists `cpu_ranks` in its pytestmark.
 UNPINNED_TESTS = {
-    'test_api.py': "imports and signatures", 'test_device.py': "detection, with its own NVML and CUDA stand-ins",
+    'test_api.py': "imports and signatures", 'test_cuda.py': "the GPU is its subject (skips without CUDA)",
+    'test_device.py': "detection, with its own NVML and CUDA stand-ins",
     'test_gpu_bench.py': "gpu_bench.py with --device cpu; its GPU path runs under tools/gpu_check.sh",
     'test_gpu_check.py': "tools/gpu_check.sh's no-GPU path and dry run (which pins what it runs itself); skips "
                          "itself where a GPU is",

@@ -133,8 +133,9 @@ def test_dtnb_launch_trains_and_equals_one_process():
     one = subprocess.run([PY, 'examples/train.py', '--steps', '6'], cwd=ROOT, env=ENV, capture_output=True, text=True,
                          timeout=120)
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([DTNB, 'launch', '-n', '2', 'examples/train.py', '--steps', '6'], cwd=ROOT, env=ENV,
-                         capture_output=True, text=True, timeout=180)
+    # `python -m dtnb` is the `dtnb` command; `-m module` runs a module as torchrun does (script files: the next test)
+    two = subprocess.run([PY, '-m', 'dtnb', 'launch', '-n', '2', '-m', 'examples.train', '--steps', '6'], cwd=ROOT,
+                         env=ENV, capture_output=True, text=True, timeout=180)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = json.loads(one.stdout.strip().splitlines()[-1]), json.loads(two.stdout.strip().splitlines()[-1])
     assert (a['world_size'], b['world_size']) == (1, 2)
@@ -185,6 +186,13 @@ def test_cli_launch_bad_input_is_fast():
                        timeout=60)
     assert r.returncode == 2 and "script 'missing.py' not found" in r.stderr
     assert time.monotonic() - t < 2 * (3 * torch_s + 5), torch_s   # two commands: no rank started, nothing waited for
+
+
+def test_version():
+    import dtnb
+    for cmd in ([PY, '-m', 'dtnb', '--version'], [DTNB, '--version']):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert (r.returncode, r.stdout.strip()) == (0, f"dtnb {dtnb.__version__}"), r
 
 
 def test_launch_in_process_leaves_nothing():

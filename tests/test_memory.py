@@ -213,3 +213,57 @@ def test_rank_error_in_a_real_step_is_reported():
     with pytest.raises(LaunchError) as e:
         measure_memory(ToyModel(d_in=16), torch.randn(4, 7), 'ddp', 2, timeout=60)  # wrong input width
     assert 'mat1 and mat2 shapes cannot be multiplied' in str(e.value)
+
+
+# ---- parallelize layouts: estimated vs measured on 4 gloo ranks ------------------------------------------------------
+
+def test_layouts_measured_equal_estimates():
+    "HSDP, TP × FSDP, PP × DP and TP alone, one launch of 4 ranks: model states byte for byte on every rank"
+    from dtnb.parallel.tensor import Degrees
+    from dtnb.core.models import TinyTransformer
+    m = TinyTransformer(d_in=16, d=32, n_heads=4, depth=2, d_out=4)
+    xy = torch.randn(4, 8, 16), torch.randn(4, 8, 4)
+    # recommend's answer for 4 devices too small for DDP: what it estimated is what parallelize(plan.degrees) holds
+    ddp = estimate_memory(m, degrees=Degrees(dp_replicate=4), batch=xy, loss_fn=F.mse_loss)
+    plan = recommend(m, xy, world_size=4, memory=ddp.total * 0.7, loss_fn=F.mse_loss, layouts=True)
+    assert plan.degrees.world_size == 4 and plan.estimates[plan.chosen].total <= plan.budget < ddp.total
+    layouts = [Degrees(dp_replicate=2, dp_shard=2), Degrees(dp_shard=2, tp=2), Degrees(pp=2, dp_shard=2),
+               Degrees(tp=4), plan.degrees]
+    *rs, planned = measure_memory(m, xy, degrees=layouts, loss_fn=F.mse_loss, timeout=120)
+    assert planned.exact and max(e.model_states for e in planned.estimates) <= plan.estimates[plan.chosen].model_states
+    full = estimate_memory(m).model_states
+    for d, r in zip(layouts, rs):
+        assert r.exact, str(r)
+        assert [x['rank'] for x in r.measured] == [0, 1, 2, 3]
+        assert all(e.model_states < full for e in r.estimates)
+        if not d.pp_enabled:  # the forward's saved tensors, this rank's shards of them: as traced on the tp-local copy
+            assert all(e.activations == x['activations'] > 0 for e, x in zip(r.estimates, r.measured)), str(r)
+    hsdp, tpf, ppd, tp = rs
+    assert hsdp.measured[0]['parameters'] * 2 == estimate_memory(m).parameters  # every first dimension even
+    assert tp.estimates[0].activations < hsdp.estimates[0].activations
+    assert ppd.measured[0]['parameters'] != ppd.measured[2]['parameters']  # two stages, each halved by dp_shard
+
+
+def test_llama_layouts_measured_equal_estimates():
+    "A Hugging Face Llama from a config: TP × FSDP and TP alone on 4 ranks, exact model states"
+    transformers = pytest.importorskip('transformers')
+    from dtnb.parallel.tensor import Degrees
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=4, vocab_size=256, use_cache=False)
+    m = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 256, (2, 16))
+    layouts = [Degrees(dp_shard=2, tp=2), Degrees(tp=4)]
+    for r in measure_memory(m, (ids, ids), degrees=layouts, timeout=120):
+        assert r.exact, str(r)
+        for e, x in zip(r.estimates, r.measured):
+            assert abs(e.activations - x['activations']) <= 0.05 * x['activations'], str(r)
+
+
+def test_layout_errors_say_what_to_do():
+    from dtnb.parallel.tensor import Degrees
+    m = ToyModel()
+    with pytest.raises(ValueError, match="one world size of 2 ranks or more"):
+        measure_memory(m, XY, degrees=[Degrees(dp_shard=2), Degrees(dp_shard=4)])
+    with pytest.raises(ValueError, match="drop strategy='ddp'"):
+        measure_memory(m, XY, 'ddp', degrees=Degrees(dp_shard=2))

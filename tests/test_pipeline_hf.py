@@ -55,6 +55,7 @@ def mistakes(pipe, x):
                 keys=err(lambda: pipe.step(dict(ids=x, labels=x))),
                 loss=err(lambda: apply_pipeline(gpt2(), None, example=x[:2])),
                 tied=err(lambda: apply_pipeline(gpt2(tied=True), causal_lm_loss)),  # no example: no tracing
+                untied=err(lambda: apply_pipeline(gpt2(), causal_lm_loss, schedule='1f1b')),  # refused before a step
                 ac=err(lambda: parallelize(gpt2(), Degrees(pp=2), causal_lm_loss, example=x[:2],
                                            activation_checkpointing=True)))
 
@@ -120,5 +121,7 @@ def test_hf_pipeline_equals_one_process(name):
         assert ("parameters shared between stages: transformer.wte.weight (stage 0) is lm_head.weight (stage 1). Pass "
                 "example=<one microbatch>" in errs['tied'])
         assert "no split into 2 stages keeps units transformer.wte .. lm_head in one stage" in errs['tied']
+        assert ("GPT2LMHeadModel is a Hugging Face model: its forward does more than apply its units in order" in
+                errs['untied'] and "Pass example=<one microbatch of the training shape>" in errs['untied'])
         assert ("GPT2LMHeadModel is not a chain of units: torch's tracer cut it, and traced stages run as traced, "
                 "with pipeline parallelism alone: drop activation_checkpointing") in errs['ac']

@@ -89,9 +89,12 @@ def test_summary_follows_the_measurements(quick):
     assert len(s['next_steps']) == 3 and all(code for _, code in s['next_steps']) and s['missing'] == {}
 
 
-def test_html_report_in_browser(quick, browser):
+def test_html_report_in_browser(quick, browser, tmp_path):
+    "The page alone, copied to another folder (as sent by mail): its plots are inside it"
     out, _, _ = quick
-    page, errors, failed = visit(browser, (out / 'report.html').as_uri())
+    alone = tmp_path / 'sent' / 'report.html'
+    alone.parent.mkdir(); alone.write_bytes((out / 'report.html').read_bytes())
+    page, errors, failed = visit(browser, alone.as_uri())
     broken = page.evaluate("[...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)")
     first = page.evaluate("document.querySelector('section').id")
     homes = page.evaluate("[...document.images].map(i => i.closest('section').id)")

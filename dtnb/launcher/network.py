@@ -9,6 +9,8 @@ from __future__ import annotations
 import os, re, sys, json, time, socket, datetime, threading, traceback, ipaddress, sysconfig
 from dataclasses import dataclass
 from .failures import LaunchError, PEER_GONE
+from ..core.logs import get_logger
+from .hangs import CollectiveTimeout, collective_counts, pending_collective, late_ranks, hang_message
 
 # %% auto #0
 __all__ = ['IFNAME_VARS', 'PEER_TIMEOUT', 'NetworkError', 'Route', 'route_to', 'advertised_address', 'socket_ifname_env',
@@ -129,6 +131,8 @@ def check_advertised(master_addr:str, nnodes:int, env:dict|None=None):
         f"NCCL), or unset it and let dtnb choose")
 
 # %% ../../nbs/02_launcher.network.ipynb #1c13014f
+_log = get_logger('dtnb.launcher.network')
+
 def prepare_network(master_addr:str|None, nnodes:int, local_rank:int=0, env:dict|None=None, quiet:bool=False) -> dict:
     "Check (`check_advertised`), then set `GLOO_SOCKET_IFNAME`/`NCCL_SOCKET_IFNAME` in `env` for a multi-node job"
     env = os.environ if env is None else env
@@ -137,9 +141,8 @@ def prepare_network(master_addr:str|None, nnodes:int, local_rank:int=0, env:dict
     check_advertised(master_addr, nnodes, {**env, **sets})
     env.update(sets)
     if sets and local_rank == 0 and not quiet:
-        print(f"dtnb: {socket.gethostname()} uses " + ', '.join(f"{k}={v}" for k, v in sets.items())
-              + f" (the interface that routes to the rendezvous host {master_addr}; set them to override)",
-              file=sys.stderr, flush=True)
+        _log.info(f"{socket.gethostname()} uses " + ', '.join(f"{k}={v}" for k, v in sets.items())
+                 + f" (the interface that routes to the rendezvous host {master_addr}; set them to override)")
     return sets
 
 # %% ../../nbs/02_launcher.network.ipynb #3815e763
@@ -236,7 +239,7 @@ class PeerWatch:
 
     def _beat(self, state='running', doing=None):
         self.n += 1
-        rec = dict(self.me, n=self.n, state=state, doing=doing or _activity())
+        rec = dict(self.me, n=self.n, state=state, doing=doing or _activity(), seqs=collective_counts())
         self.store.set(self.prefix + str(self.rank), json.dumps(rec))
 
     def stop(self, state='done', doing=''):
@@ -325,7 +328,8 @@ def _exit_lost(err:PeerLostError):
     _EXITING.acquire()  # once: a second caller waits here for the exit
     me = f"rank {os.environ.get('RANK', '?')} on {socket.gethostname()}"
     err_out = sys.__stderr__  # not sys.stderr: torch's excepthook, around ours, buffers that until we return
-    print(f"dtnb: {me} stops: {err}; this rank was {_activity()}", file=err_out, flush=True)
+    tail = '' if isinstance(err, CollectiveTimeout) else f"; this rank was {_activity()}"  # it says where it waits
+    print(f"dtnb: {me} stops: {err}{tail}", file=err_out, flush=True)
     _record(err)
     os._exit(1)
 
@@ -384,12 +388,23 @@ def _explain(w:PeerWatch, e:BaseException) -> PeerLostError|None:
                          f"connection broke ({line}); it was last {peers[0]['doing']}", peers[0]['rank'],
                          peers[0]['host'])
 
+def _hung(w:PeerWatch, e:BaseException, tb=None) -> CollectiveTimeout|None:
+    "A collective of this rank that timed out (or lost a peer that left): it, and the ranks that never issued it"
+    msg = str(e)
+    timed_out = 'Timed out' in msg or 'timed out' in msg
+    if not (timed_out or PEER_GONE.search(msg)) or (p := pending_collective(timed_out, tb)) is None:
+        return None
+    if isinstance(_bounded(lambda: _read_peers(w), 2), PeerLostError): return None  # a peer failed or was lost
+    late = late_ranks(p, w.peers)
+    if not late and not timed_out: return None  # a broken link while every rank had come: a lost peer
+    return CollectiveTimeout(hang_message(w.rank, p, w.peers, w.world), w.rank, late)
+
 def _excepthook(tp, e, tb):
     "An uncaught error of a watched rank: one error naming the lost peer, or tell the peers this rank failed"
     w = _WATCH
     prev = _PREV_HOOK or sys.__excepthook__
     if w is None or not issubclass(tp, Exception): return prev(tp, e, tb)
-    err = _explain(w, e)
+    err = _hung(w, e, tb) or _explain(w, e)
     if err is None and PEER_GONE.search(str(e)):
         w._stop.wait(w.timeout + 2 * w.period)  # the watch's verdict, when it comes, ends this process
         err = w.verdict

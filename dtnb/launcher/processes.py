@@ -8,12 +8,14 @@ Docs: https://dtnb-dev.github.io/dtnb/launcher.processes.html.md"""
 from __future__ import annotations
 import os, sys, io, gc, time, signal, socket, tempfile, threading, traceback, atexit, shutil, contextlib, datetime
 import warnings
+from ..core.logs import PerformanceWarning, UsageWarning
 import multiprocessing as mp
 from multiprocessing.connection import wait as _wait
 from ..detection.device import usable_cores, fork_hazards
 from ..detection.env import parse_launch_env, LaunchEnvError, restart_hazard
 from .failures import LaunchError, report_failure
 from .network import prepare_network, start_peer_watch, stop_peer_watch
+from .hangs import enable_flight_recorder
 from ..core.utils import accelerators, cpu_pinned
 from ..core.dist import current_device, too_many_ranks, barrier
 
@@ -99,12 +101,13 @@ def init_distributed(backend:str|None=None, # 'gloo', 'nccl', ...; default from 
         raise ValueError("backend='nccl' needs GPUs, and DTNB_DEVICE=cpu places this rank on the CPU: pass "
                          "backend='gloo' (or None), or unset DTNB_DEVICE")
     backend = check_backend(backend)
-    if le.rank == 0 and (why := restart_hazard(backend)): warnings.warn(why, stacklevel=2)
+    if le.rank == 0 and (why := restart_hazard(backend)): warnings.warn(why, UsageWarning, stacklevel=2)
     dev = current_device()
     if dev.type not in ('cpu', 'mps'): torch.accelerator.set_device_index(dev.index)
     if le.launcher != 'dtnb': prepare_network(le.master_addr, le.nnodes, le.local_rank)  # multi-node: the interface
     kw = _rendezvous(os.environ, timeout if rdzv_timeout is None else rdzv_timeout)
     start_peer_watch(parse_launch_env(), peer_timeout)  # a lost peer stops every rank, naming it (launcher.network)
+    if le.launcher != 'dtnb': enable_flight_recorder()  # a timed-out collective names itself (launcher.hangs)
     if backend == 'nccl': kw['device_id'] = dev
     dist.init_process_group(backend, rank=le.rank, world_size=le.world_size,
                             timeout=datetime.timedelta(seconds=timeout), **kw)
@@ -221,7 +224,8 @@ def _start_method(start_method, threads):
     hazards = fork_hazards(threads)
     if start_method is None:
         if not hazards: return 'fork'
-        warnings.warn(f"launch starts the ranks with spawn, not fork: {'; '.join(hazards)}", stacklevel=3)
+        warnings.warn(f"launch starts the ranks with spawn, not fork: {'; '.join(hazards)}", PerformanceWarning,
+                      stacklevel=3)
         return 'spawn'
     if start_method not in mp.get_all_start_methods():
         raise ValueError(f"start_method={start_method!r} is not available here: "
@@ -367,7 +371,8 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
     if device: env = {**(env or {}), 'DTNB_DEVICE': device}
     method = _start_method(start_method, threads or 1)  # threads=None: forked ranks get 1 while a pool runs
     if port is not None: check_port(port)
-    if (why := cpu_oversubscription(nprocs, threads, usable_cores())): warnings.warn(why, stacklevel=2)
+    if (why := cpu_oversubscription(nprocs, threads, usable_cores())):
+        warnings.warn(why, PerformanceWarning, stacklevel=2)
     pg_timeout = 600 if timeout is None else timeout + 60  # launch's own timeout reports first, with stacks
     tmp = tempfile.mkdtemp(prefix='dtnb-launch-')
     procs, out = [], _Output(prefix)

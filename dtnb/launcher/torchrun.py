@@ -7,6 +7,7 @@ Docs: https://dtnb-dev.github.io/dtnb/launcher.torchrun.html.md"""
 # %% ../../nbs/02b_launcher.torchrun.ipynb #8721b66a
 from __future__ import annotations
 import os, sys, socket, ipaddress, warnings
+from ..core.logs import PerformanceWarning
 from ..detection.device import usable_cores
 from .processes import free_port, check_launch_args, cpu_oversubscription
 from ..core.utils import accelerators
@@ -108,7 +109,7 @@ def torchrun_command(nprocs:int, script:str, script_args=(), torchrun_args=(),
     check_launch_args(print, nprocs)
     if accelerators()[0] is None and (why := cpu_oversubscription(nprocs, None, usable_cores())):
         warnings.warn(why.replace(f"launch(nprocs={nprocs})", f"dtnb launch -n {nprocs}").replace(
-            f"Use nprocs=", "Use -n "), stacklevel=2)
+            f"Use nprocs=", "Use -n "), PerformanceWarning, stacklevel=2)
     cmd = [sys.executable, '-c', _AGENT, f'--nproc-per-node={nprocs}', *torchrun_args]
     given = {a.split('=')[0].replace('_', '-') for a in torchrun_args}
     if not given & {o.replace('_', '-') for o in _RDZV_OPTS}:  # rendezvous on loopback

@@ -7,6 +7,7 @@ Docs: https://dtnb-dev.github.io/dtnb/parallel.ddp.html.md"""
 # %% ../../nbs/03_parallel.ddp.ipynb #65f7cdb5
 from __future__ import annotations
 import warnings
+from ..core.logs import EquivalenceWarning
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -108,7 +109,7 @@ def prepare_batchnorm(model:nn.Module, strategy:str, options:dict) -> nn.Module:
         _BN_WARNED.add(key)
         warnings.warn(f"wrap(model, {strategy!r}): {_bn_text(names)} {why}, so training differs from one process "
                       "on the whole batch. To match it: sync_batchnorm=True (GPUs), or GroupNorm/LayerNorm",
-                      stacklevel=3)
+                      EquivalenceWarning, stacklevel=3)
     return model
 
 # %% ../../nbs/03_parallel.ddp.ipynb #afe9cfde

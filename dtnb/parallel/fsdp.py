@@ -7,6 +7,7 @@ Docs: https://dtnb-dev.github.io/dtnb/parallel.fsdp.html.md"""
 # %% ../../nbs/03a_parallel.fsdp.ipynb #fc8a29a8
 from __future__ import annotations
 import weakref, warnings
+from ..core.logs import PerformanceWarning
 from dataclasses import dataclass, asdict
 import torch
 from torch import nn
@@ -63,7 +64,7 @@ def _fallback(model, blocks) -> list:
         found = f"only single layers ({few})" if blocks else 'no repeated blocks'
         warnings.warn(f"find_blocks found {found} in {type(model).__name__} ({_candidates(model)}): FSDP shards "
                       f"{len(groups)} groups of consecutive modules of about {_numel(model) // 8:,} parameters each "
-                      "instead. Pass layer_cls= to name the block class", stacklevel=3)
+                      "instead. Pass layer_cls= to name the block class", PerformanceWarning, stacklevel=3)
     return groups
 
 def shard_units(model:nn.Module, layer_cls=None) -> list:

@@ -289,6 +289,13 @@ class Pipeline:
                 f"microbatches; rank {self.pp_rank} runs {units} ({n:,} parameters))")
 
 # %% ../../nbs/03d_parallel.pipeline.ipynb #75271a25
+def _hugging_face(model) -> bool: return getattr(getattr(model, 'config', None), 'model_type', None) is not None
+
+_HF_NEEDS_EXAMPLE = lambda model: (
+    f"{type(model).__name__} is a Hugging Face model: its forward does more than apply its units in order (position "
+    "ids, masks, a ModelOutput for a result), which only torch's tracer can cut. Pass example=<one microbatch of the "
+    "training shape> (e.g. example=input_ids[:2]) and apply_pipeline traces it (or trace=False to cut it as a chain)")
+
 def pipeline_stages(model:nn.Module, n_stages=None, split_points=None, schedule:str='1f1b', balance:str='params',
                     example=None, group=None, trace:bool|None=None) -> tuple:
     "Cut `model` for the pipeline ranks of `group`: returns (split, this rank's stage indices, their modules)"
@@ -305,6 +312,7 @@ def pipeline_stages(model:nn.Module, n_stages=None, split_points=None, schedule:
         split.costs, split.bounds, split.by = *broadcast_from_rank0(mine and (mine.costs, mine.bounds), group), 'time'
     mine = [s for s, rk in enumerate(stage_ranks(name, split.n_stages, p)) if rk == r]
     if not trace and not (problem := chain_problem(model, split, example)):
+        if example is None and trace is None and _hugging_face(model): raise ValueError(_HF_NEEDS_EXAMPLE(model))
         return split, mine, [stage_module(model, split.stage_units(s)) for s in mine]
     if trace is False or (trace is None and example is None): raise ValueError(problem)
     if example is None: raise ValueError("trace=True traces the model on one microbatch: pass example=")

@@ -58,7 +58,8 @@ class SavedCounter:
         self.exclude, self.saved, self.where, self.inputs, self.stack, self.hooks = set(exclude), {}, {}, {}, [], []
 
     def _pack(self, t):
-        s, k = t.untyped_storage(), _sid(t)
+        loc = getattr(t, '_local_tensor', t)  # a DTensor: this rank's shard (its own storage has the global size)
+        s, k = loc.untyped_storage(), _sid(loc)
         if k not in self.exclude and k not in self.saved:
             self.saved[k], self.where[k] = s, (self.stack[-1] if self.stack else None)
         return t

@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/plan.measure.html.md"""
 
 # %% ../../nbs/04c_plan.measure.ipynb #b28b55b8
 from __future__ import annotations
-import copy, functools
+import copy, functools, gc
 from dataclasses import dataclass
 import torch
 import torch.distributed as dist
@@ -18,8 +18,10 @@ from ..parallel.ddp import make_optimizer
 from ..parallel.wrap import wrap
 from .activations import SavedCounter, forward_batch, trace_activations
 from .memory import check_setup, estimate_memory
-from ..parallel.pipeline import apply_pipeline, step_batch
+from ..parallel.pipeline import apply_pipeline, step_batch, Pipeline
 from ..parallel.pipeline_split import output_logits
+from ..parallel.tensor import Degrees, parallelize
+from .memory import tp_local
 
 # %% auto #0
 __all__ = ['MEASURABLE', 'named_optimizer', 'loss_of', 'MemoryMeasurement', 'measure_memory']
@@ -66,7 +68,12 @@ def _measure_step(model, batch, strategy, optimizer, precision, loss_fn, units, 
         batch = cast_inputs(batch, torch.bfloat16)  # as fit feeds a bf16 model: targets keep their dtype
     if strategy == 'pipeline': return _measure_pipeline(model, batch, optimizer, loss_fn, lr, dev, acc and m0)
     model = _apply_strategy(model, strategy, units)
-    opt = named_optimizer(model, optimizer, lr)
+    return _step_bytes(model, named_optimizer(model, optimizer, lr), batch, precision, loss_fn, units, dev,
+                       acc and m0)
+
+def _step_bytes(model, opt, batch, precision, loss_fn, units, dev, m0):
+    "Forward, backward and `opt.step()` of the wrapped `model` on `batch`; the bytes it holds per component"
+    acc = torch.accelerator if m0 is not None else None
     batch = to_device(batch, dev)
     if acc: m1 = acc.memory_allocated()
     local = [p.to_local() if hasattr(p, 'to_local') else p for p in [*model.parameters(), *model.buffers()]]
@@ -106,6 +113,10 @@ def _logits_loss(loss_fn, out, target): return loss_fn(output_logits(out), targe
 def _measure_pipeline(model, batch, optimizer, loss_fn, lr, dev, m0):
     "One 1F1B step of `model` cut by `apply_pipeline` over the ranks, one stage each; the bytes of this rank's stage"
     pipe = apply_pipeline(model, loss_fn, example=_pipeline_example(batch, dist.get_world_size()))
+    return _pipeline_bytes(pipe, batch, optimizer, lr, dev, m0)
+
+def _pipeline_bytes(pipe, batch, optimizer, lr, dev, m0):
+    "One step of the `Pipeline` `pipe` on `batch`; the bytes of this rank's stages"
     cls, kw = _OPTIMIZERS[optimizer]
     opt = cls(pipe.parameters(), lr=lr, **kw)
     batch = to_device(batch, dev)
@@ -114,6 +125,25 @@ def _measure_pipeline(model, batch, optimizer, loss_fn, lr, dev, m0):
     out = dict(rank=dist.get_rank(), device=str(dev), **_stage_bytes(pipe, opt), activations=None, saved=None,
                peak=None, temporary=None)
     if m0 is not None: synchronize(dev); out['peak'] = torch.accelerator.max_memory_allocated() - m0
+    return out
+
+# %% ../../nbs/04c_plan.measure.ipynb #1d61b8ab
+def _layout_step(model, batch, degrees, optimizer, precision, loss_fn, units, lr):
+    "One real step of `parallelize(model, degrees)` on this rank; the bytes it holds per component"
+    dev = current_device()
+    m0 = None
+    if dev.type != 'cpu':
+        synchronize(dev); torch.accelerator.reset_peak_memory_stats(); m0 = torch.accelerator.memory_allocated()
+    model = copy.deepcopy(model)
+    if precision == 'bf16-true': model, batch = model.to(torch.bfloat16), cast_inputs(batch, torch.bfloat16)
+    m = parallelize(model, degrees, loss_fn, layer_cls=units, device=dev)
+    if isinstance(m, Pipeline): return _pipeline_bytes(m, batch, optimizer, lr, dev, m0)
+    return _step_bytes(m, named_optimizer(m, optimizer, lr), batch, precision, loss_fn, units, dev, m0)
+
+def _layouts_step(model, batch, layouts, *args):
+    "`_layout_step` for each of `layouts` in turn, in one launch"
+    out = []
+    for d in layouts: out.append(_layout_step(model, batch, d, *args)); gc.collect()
     return out
 
 # %% ../../nbs/04c_plan.measure.ipynb #c82581ae
@@ -158,8 +188,12 @@ def measure_memory(model, # the `nn.Module` to train one step (a copy is trained
                    loss_fn=None, # `loss_fn(output, target)`; without it the output (or its `.loss`) is summed
                    units=None, # module classes to shard and checkpoint as units (default: `find_blocks`)
                    lr:float=1e-3, timeout:float|None=300, # seconds before the ranks are stopped
-                  ) -> MemoryMeasurement:
+                   degrees:Degrees|list|None=None, # a `parallelize` layout (or a list, run in one launch) instead
+                  ) -> MemoryMeasurement|list:
     "Run one real training step and put the measured bytes per component beside the estimate, for each rank"
+    if degrees is not None:
+        return _measure_layouts(model, batch, strategy, world_size, degrees, optimizer, precision, loss_fn, units, lr,
+                                timeout)
     s, optimizer, precision = check_setup(strategy, world_size, optimizer, precision)
     if s not in MEASURABLE:
         raise ValueError(f"measure_memory runs wrap's strategies, {', '.join(map(repr, MEASURABLE))}, not {s!r}")
@@ -180,3 +214,30 @@ def measure_memory(model, # the `nn.Module` to train one step (a copy is trained
     ests = [estimate_memory(model, s, world_size, optimizer, precision, activations=trace, units=units, rank=r,
                             example=ex) for r in range(world_size)]
     return MemoryMeasurement(ests, measured)
+
+def _layout_estimates(model, batch, d, optimizer, precision, loss_fn, units):
+    "estimate_memory of every rank of layout `d`, activations traced on the tp-local model (a pipeline's: scaled)"
+    kw = dict(degrees=d, optimizer=optimizer, precision=precision, units=units)
+    if d.pp_enabled:
+        lf = functools.partial(_logits_loss, loss_fn)  # as the last stage computes it
+        return [estimate_memory(model, batch=batch, loss_fn=lf, rank=r, **kw) for r in range(d.world_size)]
+    tr = trace_activations(tp_local(model, d.tp) if d.tp_enabled else model, batch, loss_fn, precision, units)
+    return [estimate_memory(model, activations=tr, rank=r, **kw) for r in range(d.world_size)]
+
+def _measure_layouts(model, batch, strategy, world_size, degrees, optimizer, precision, loss_fn, units, lr, timeout):
+    "`measure_memory` of one `parallelize` layout, or of a list of them in one launch"
+    one = isinstance(degrees, Degrees)
+    if strategy != 'single': raise ValueError(f"degrees= is the layout parallelize runs: drop strategy={strategy!r}")
+    _, optimizer, precision = check_setup('single', 1, optimizer, precision)
+    ds = [d.resolve(world_size if -1 in d.sizes else d.world_size) for d in ([degrees] if one else degrees)]
+    if len({d.world_size for d in ds}) > 1 or ds[0].world_size < 2:
+        raise ValueError(f"the layouts measured in one launch need one world size of 2 ranks or more, not "
+                         f"{', '.join(str(d.world_size) for d in ds)}")
+    if precision == 'zero-mixed': raise ValueError("precision='zero-mixed' is ZeRO's accounting: measure 'bf16-mixed'")
+    ests = [_layout_estimates(model, batch, d, optimizer, precision, loss_fn, units) for d in ds]
+    import torch.distributed.fsdp, torch.distributed.tensor.parallel  # once here, not in each forked rank
+    if any(d.pp_enabled for d in ds): import torch.distributed.pipelining
+    res = launch(_layouts_step, model, batch, ds, optimizer, precision, loss_fn, units, lr, nprocs=ds[0].world_size,
+                 timeout=timeout)
+    out = [MemoryMeasurement(e, [r[i] for r in res]) for i, e in enumerate(ests)]
+    return out[0] if one else out

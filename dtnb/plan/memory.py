@@ -6,16 +6,19 @@ Docs: https://dtnb-dev.github.io/dtnb/plan.memory.html.md"""
 
 # %% ../../nbs/04a_plan.memory.ipynb #b4312852
 from __future__ import annotations
-import math
+import math, copy, fnmatch
 from dataclasses import dataclass, asdict
+from torch import nn
 from ..core.utils import PRECISIONS, DEFAULT_PRECISION, check_precision, shard_numel, fmt_bytes, md_table, text_table
 from ..core.models import find_blocks
 from .activations import ActivationTrace, trace_activations
 from ..parallel.pipeline_split import split_model, chain_problem, trace_stages
+from ..parallel.tensor import Degrees, tp_plan
 
 # %% auto #0
 __all__ = ['OPTIMIZERS', 'ALIASES', 'SHARDS', 'optimizer_bytes', 'TransformerShape', 'ModelSizes', 'model_sizes',
-           'MemoryEstimate', 'check_setup', 'stage_sizes', 'estimate_memory']
+           'MemoryEstimate', 'check_setup', 'stage_sizes', 'stage_tensors', 'estimate_memory', 'layout_coords',
+           'tp_linears', 'tp_shapes', 'layout_sizes', 'tp_local']
 
 # %% ../../nbs/04a_plan.memory.ipynb #33173573
 OPTIMIZERS = {'sgd': 0, 'momentum': 1, 'adam': 2, 'adamw': 2}  # optimizer state tensors per parameter
@@ -53,19 +56,30 @@ class TransformerShape:
         h = self.hidden
         return self.layers * (12 * h * h + 13 * h) + (self.vocab + self.seq_len) * h + 2 * h
 
-    def layer_activation_bytes(self, elem:int=2) -> int:
-        "Bytes one layer saves for backward (Korthikanti et al. 2022) with `elem`-byte activations"
+    def layer_activation_bytes(self, elem:int=2, tp:int=1, sequence_parallel:bool=False) -> int:
+        "Bytes one layer saves for backward (Korthikanti et al. 2022), `elem`-byte activations, on one of `tp` ranks"
         s, b, h, a = self.seq_len, self.batch, self.hidden, self.heads
-        return s * b * h * (16 * elem + 2) + a * s * s * b * (2 * elem + 1)
+        whole = s * b * h * (4 * elem + 2)  # LayerNorm and first-Linear inputs, dropout masks: split only by sequence
+        split = s * b * h * 12 * elem + a * s * s * b * (2 * elem + 1)  # inside the attention and the MLP: by tp
+        return (whole // tp if sequence_parallel else whole) + split // tp
 
-    def activation_bytes(self, elem:int=2, activation_checkpointing:bool=False) -> int:
-        "Bytes saved for backward by the whole model per device; `activation_checkpointing` keeps each layer's input"
+    def activation_bytes(self, elem:int=2, activation_checkpointing:bool=False, tp:int=1,
+                         sequence_parallel:bool=False, pp:int=1, stage:int=0) -> int:
+        "Bytes saved for backward per device; with `pp`, stage `stage` of a 1F1B pipeline (micro-batch `batch`)"
         s, b, h = self.seq_len, self.batch, self.hidden
-        layer = self.layer_activation_bytes(elem)
+        layer = self.layer_activation_bytes(elem, tp, sequence_parallel)
+        inp = elem * s * b * h // (tp if sequence_parallel else 1)  # a layer's input, what checkpointing keeps
+        # 1F1B: stage `stage` holds pp - stage micro-batches of its layers; stage 0, one micro-batch of all layers
+        n = -(-self.layers // pp) * (pp - stage) if pp > 1 else self.layers
         # checkpointed: every layer's input, plus one layer recomputed in the backward (its input is already kept)
-        ac = activation_checkpointing
-        body = self.layers * elem * s * b * h + layer - elem * s * b * h if ac else self.layers * layer
-        return body + 4 * s * b * self.vocab
+        body = n * inp + layer - inp if activation_checkpointing else n * layer
+        return body + 4 * s * b * self.vocab * (stage == pp - 1)
+
+    def stage_params(self, pp:int=1, stage:int=0, tp:int=1) -> int:
+        "Parameters one rank holds: stage `stage`'s layers, their Linear weights split over `tp` ranks"
+        h, n = self.hidden, -(-self.layers // pp) if pp > 1 else self.layers
+        emb = (self.vocab + self.seq_len) * h * (stage == 0) + 2 * h * (stage == pp - 1)
+        return n * ((12 * h * h + 7 * h) // tp + 6 * h) + emb  # biases of the row-split Linears and norms: whole
 
 # %% ../../nbs/04a_plan.memory.ipynb #30c68950
 @dataclass
@@ -133,6 +147,7 @@ class MemoryEstimate:
     activation_source: str = ''  # 'traced', 'formula', 'given' or 'not estimated'
     rank: int = 0
     unit: int|None = None        # parameters gathered at once under ZeRO-3 (None: unknown)
+    degrees: Degrees|None = None # the `parallelize` layout estimated (`strategy` then names it)
 
     @property
     def model_states(self) -> int: return self.parameters + self.gradients + self.optimizer_states
@@ -158,6 +173,9 @@ class MemoryEstimate:
         ws, pipe = self.world_size, self.strategy == 'pipeline'
         split = SHARDS.get(self.strategy, ())
         sh = lambda c: f"stage {self.rank} of {ws}" if pipe else f"1/{ws}" if c in split and ws > 1 else 'whole'
+        if self.degrees is not None:
+            by = [k for k in ('pp', 'tp', 'dp_shard') if getattr(self.degrees, k) > 1]
+            sh = lambda c: f"rank {self.rank}: split by {' × '.join(by)}" if by else 'whole'
         off = lambda c: ', on host' if self.offload and c in split else ''
         act = 'not estimated: give batch= or shape=' if self.activations is None else self.activation_source
         units = self.strategy == 'zero3' and self.unit is None
@@ -234,6 +252,11 @@ def stage_sizes(model, # the `nn.Module` to cut into `n_stages` stages
                 example=None, # one microbatch of the inputs, as given to `apply_pipeline`: checks the cut, traces
                ) -> ModelSizes:
     "Parameter shapes and buffer bytes of stage `stage` of `model` cut as `apply_pipeline` cuts it"
+    ps, bs = stage_tensors(model, n_stages, stage, example)
+    return ModelSizes([(tuple(p.shape), p.requires_grad) for p in ps], sum(b.numel() * b.element_size() for b in bs))
+
+def stage_tensors(model, n_stages:int, stage:int, example=None) -> tuple:
+    "(parameters, buffers) of stage `stage` of `model` cut as `apply_pipeline` cuts it (see `stage_sizes`)"
     split = split_model(model, n_stages, example=example)
     if example is not None and chain_problem(model, split, example):  # not a chain: apply_pipeline traces it
         m = trace_stages(model, split, example).trace.pipe.get_stage_module(stage)
@@ -246,7 +269,7 @@ def stage_sizes(model, # the `nn.Module` to cut into `n_stages` stages
                 (mine if s == stage else other).update(id(t) for t in (*m.parameters(), *m.buffers()))
         keep = lambda ts: [t for t in ts if id(t) in mine or id(t) not in other]
         ps, bs = keep(model.parameters()), keep(model.buffers())
-    return ModelSizes([(tuple(p.shape), p.requires_grad) for p in ps], sum(b.numel() * b.element_size() for b in bs))
+    return ps, bs
 
 # %% ../../nbs/04a_plan.memory.ipynb #42668ba8
 def estimate_memory(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
@@ -263,8 +286,13 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
                     units=None, # module classes (or names) that are the model's units (default: `find_blocks`)
                     rank:int=0, # the rank whose shard (a pipeline: whose stage) to count (ZeRO: rank 0 holds the most)
                     example=None, # a pipeline's microbatch of inputs, as given to `apply_pipeline` (see `stage_sizes`)
+                    degrees:Degrees|None=None, # a layout for `parallelize` instead of a strategy (see below)
+                    sequence_parallel:bool=False, # with `degrees.tp > 1`: activations split by sequence too
                    ) -> MemoryEstimate:
     "Bytes per device for parameters, gradients, optimizer state, activations and temporary buffers"
+    if degrees is not None:
+        return _estimate_layout(model, degrees, strategy, world_size, optimizer, precision, batch, loss_fn, shape,
+                                activation_checkpointing, offload, activations, units, rank, example, sequence_parallel)
     strategy, optimizer, precision = check_setup(strategy, world_size, optimizer, precision, offload, rank)
     if isinstance(model, TransformerShape): model, shape = model.params(), shape or model
     sizes = model_sizes(model, units) if hasattr(model, 'parameters') else None
@@ -292,3 +320,122 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
     tmp = comm + (0 if offload else opt_tmp)
     return MemoryEstimate(strategy, world_size, optimizer, precision, psi, dev['parameters'], dev['gradients'],
                           dev['optimizer'], acts, tmp, host, activation_checkpointing, offload, src, rank, unit)
+
+# %% ../../nbs/04a_plan.memory.ipynb #10c03489
+def layout_coords(degrees:Degrees, rank:int) -> dict:
+    "Where `rank` sits on `degrees`' mesh: {'pp': its stage, 'dp_replicate', 'dp_shard', 'tp': its index in each}"
+    names, out = ('pp', 'dp_replicate', 'dp_shard', 'tp'), {}  # the order of Degrees.sizes: tp innermost
+    for k, n in reversed(list(zip(names, degrees.sizes))): out[k] = rank % n; rank //= n
+    return {k: out[k] for k in names}
+
+# %% ../../nbs/04a_plan.memory.ipynb #2c6da572
+def tp_linears(model:nn.Module, tp:int) -> dict:
+    "{name: (out, in) features on one of `tp` ranks} of each Linear that `tp_plan(model)` splits"
+    if tp == 1: return {}
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    plan, out = tp_plan(model), {}
+    for name, m in model.named_modules():
+        style = next((v for k, v in plan.items() if fnmatch.fnmatch(name, k)), None)
+        if not isinstance(m, nn.Linear) or not isinstance(style, (ColwiseParallel, RowwiseParallel)): continue
+        col = isinstance(style, ColwiseParallel)
+        dim, what = (m.out_features, 'output') if col else (m.in_features, 'input')
+        if dim % tp: raise ValueError(f"{name} has {dim} {what} features, which do not split into tp={tp} equal "
+                                      f"parts: choose a tensor-parallel degree dividing {dim}")
+        hd = getattr(model.get_submodule(name.rpartition('.')[0]), 'head_dim', None)  # attention: whole heads
+        if col and isinstance(hd, int) and (dim // tp) % hd:
+            raise ValueError(f"{name} has {dim // hd} heads of {hd} features, which do not split into tp={tp} equal "
+                             f"parts: choose a tensor-parallel degree dividing {dim // hd}")
+        out[name] = (m.out_features // tp, m.in_features, True) if col else (m.out_features, m.in_features // tp, False)
+    return out
+
+def tp_shapes(model:nn.Module, tp:int) -> dict:
+    "{id(parameter): its shape on one of `tp` tensor-parallel ranks} for the parameters `tp_plan` splits"
+    out = {}
+    for name, (o, i, col) in tp_linears(model, tp).items():
+        m = model.get_submodule(name)
+        out[id(m.weight)] = (o, i)
+        if col and m.bias is not None: out[id(m.bias)] = (o,)
+    return out
+
+# %% ../../nbs/04a_plan.memory.ipynb #6858a95e
+def layout_sizes(model:nn.Module, degrees:Degrees, rank:int=0, example=None, units=None) -> tuple:
+    "(ModelSizes of the tensors `rank` holds under `parallelize(model, degrees)` as tp leaves them, elements of its "\
+    "parameters, gradients, optimizer state)"
+    c = layout_coords(degrees, rank)
+    ps, bs = (stage_tensors(model, degrees.pp, c['pp'], example) if degrees.pp > 1 else
+              (list(model.parameters()), list(model.buffers())))
+    tps = tp_shapes(model, degrees.tp)
+    shapes = [(tps.get(id(p), tuple(p.shape)), p.requires_grad) for p in ps]
+    sizes = ModelSizes(shapes, sum(b.numel() * b.element_size() for b in bs),
+                       model_sizes(model, units).largest_unit // degrees.tp)
+    ds, s = degrees.dp_shard, c['dp_shard']  # FSDP2: padded chunks of dim 0; the optimizer sees its own rows
+    return sizes, (sum(shard_numel(sh, ds) for sh, _ in shapes), sum(shard_numel(sh, ds) for sh, t in shapes if t),
+                   sum(shard_numel(sh, ds, s) for sh, t in shapes if t))
+
+# %% ../../nbs/04a_plan.memory.ipynb #aa4a06f7
+def tp_local(model:nn.Module, tp:int) -> nn.Module:
+    "A copy of `model` whose Linears that `tp_plan` splits are one rank's slices, on the meta device"
+    local = copy.deepcopy(model)
+    for name, (o, i, _) in tp_linears(model, tp).items():
+        m = model.get_submodule(name)
+        local.set_submodule(name, nn.Linear(i, o, m.bias is not None, device='meta', dtype=m.weight.dtype))
+    return local
+
+def _layout_activations(model, d, stage, batch, loss_fn, shape, activations, precision, ac, units, sp):
+    "(bytes, source) of the activations on a rank of stage `stage` of the layout `d`"
+    if activations is not None or (batch is None and shape is None):
+        return _activations(model, None, None, None, None, activations, precision, ac, units)
+    if batch is not None:
+        if not hasattr(model, 'parameters'): raise ValueError("batch= needs a model to trace; with a parameter count "
+                                                             "give shape=TransformerShape(...) instead")
+        m = tp_local(model, d.tp) if d.tp > 1 else model
+        b = trace_activations(m, batch, loss_fn, precision, units).bytes(ac)
+        n = 2 * d.pp  # parallelize's micro-batches
+        return (b * min(d.pp - stage, n) // (n * d.pp) if d.pp > 1 else b), 'traced'
+    elem = PRECISIONS[precision].activations
+    return shape.activation_bytes(elem, ac, d.tp, sp, d.pp, stage), 'formula'
+
+# %% ../../nbs/04a_plan.memory.ipynb #4eeeec12
+def _layout_states(model, d, rank, example, units, shape):
+    "(ModelSizes or None, parameter, gradient, optimizer elements, largest unit) of `rank` in layout `d`"
+    if hasattr(model, 'parameters'):
+        sizes, elems = layout_sizes(model, d, rank, example, units)
+        return sizes, *elems, sizes.largest_unit
+    c = layout_coords(d, rank)
+    n = shape.stage_params(d.pp, c['pp'], d.tp) if shape else -(-int(model) // (d.pp * d.tp))
+    n = -(-n // d.dp_shard)
+    return None, n, n, n, (-(-int(model) // (shape.layers * d.tp)) if shape else None)
+
+def _estimate_layout(model, degrees, strategy, world_size, optimizer, precision, batch, loss_fn, shape, ac, offload,
+                     activations, units, rank, example, sp):
+    "`estimate_memory` for a `parallelize` layout: see above"
+    if strategy != 'single' or offload:
+        raise ValueError(f"degrees= is the layout parallelize runs, instead of a strategy: drop strategy={strategy!r}"
+                         + " and offload=True" * offload)
+    d = degrees.resolve(world_size if -1 in degrees.sizes else degrees.world_size)
+    if world_size not in (1, d.world_size): d.resolve(world_size)  # says the arithmetic
+    _, optimizer, precision = check_setup('single', 1, optimizer, precision)
+    if not 0 <= rank < d.world_size: raise ValueError(f"rank={rank} must be in 0..{d.world_size - 1} for {d._arith()}")
+    if sp and not d.tp_enabled: raise ValueError("sequence_parallel=True splits activations over the tensor-parallel "
+                                                 "ranks: it needs tp > 1")
+    if isinstance(model, TransformerShape): model, shape = model.params(), shape or model
+    if not hasattr(model, 'parameters') and (isinstance(model, bool) or not isinstance(model, (int, float))
+                                             or model <= 0):
+        raise ValueError(f"model={model!r} must be an nn.Module, a TransformerShape or a positive parameter count")
+    sizes, p, g, o, unit = _layout_states(model, d, rank, example, units, shape)
+    pr = PRECISIONS[precision]
+    ntensors = sum(t for _, t in sizes.shapes) if sizes and OPTIMIZERS[optimizer] == 2 else 0  # Adam's `step`s
+    acts, src = _layout_activations(model, d, layout_coords(d, rank)['pp'], batch, loss_fn, shape, activations,
+                                    precision, ac, units, sp)
+    comm = (3 * (unit or 0) * pr.activations if d.dp_shard_enabled else  # FSDP: gathered units
+            g * pr.grads if d.dp_replicate_enabled and not (d.tp_enabled or d.pp_enabled) else 0)  # DDP's buckets
+    tmp = comm + (o * pr.optimizer_state if OPTIMIZERS[optimizer] == 2 else 0)
+    psi = sum(p.numel() for p in model.parameters()) if sizes else int(model)
+    return MemoryEstimate(_layout_name(d), d.world_size, optimizer, precision, psi,
+                          p * pr.params + (sizes.buffer_bytes if sizes else 0), g * pr.grads,
+                          o * optimizer_bytes(optimizer, precision) + 4 * ntensors, acts, tmp, 0, ac, False, src,
+                          rank, unit, d)
+
+def _layout_name(d):
+    return ' × '.join(f"{k} {getattr(d, k)}" for k in ('dp_replicate', 'dp_shard', 'tp', 'pp') if getattr(d, k) > 1
+                      ) or 'single'

@@ -12,9 +12,11 @@ from ..core.models import find_blocks
 from .activations import trace_activations
 from ..parallel.pipeline_split import pipeline_units
 from .memory import OPTIMIZERS, ALIASES, SHARDS, TransformerShape, MemoryEstimate, estimate_memory
+from .memory import tp_linears
+from ..parallel.tensor import Degrees
 
 # %% auto #0
-__all__ = ['device_memory', 'MemoryPlan', 'recommend', 'memory_explorer']
+__all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'Node', 'step_time', 'memory_explorer']
 
 # %% ../../nbs/04b_plan.recommend.ipynb #57e94ad1
 def _ladder(ws, activation_checkpointing=True):
@@ -50,13 +52,15 @@ class MemoryPlan:
     estimates: list     # MemoryEstimate of every option, in the order tried; the single-device check first
     chosen: int|None    # index of the recommended estimate
     margin: float = 0.1 # fraction of device memory kept free
+    degrees: Degrees|None = None # with `layouts=True`: the layout chosen, for `parallelize(model, plan.degrees)`
+    step_times: list|None = None # with `layouts=True`: predicted seconds per step of each option (see below)
 
     @property
     def label(self): return 'nothing fits' if self.strategy is None else self.estimates[self.chosen].label
     @property
     def wrap_kwargs(self) -> dict|None:
         "What `wrap(model, **plan.wrap_kwargs)` needs to apply the plan (None when nothing fits)"
-        if self.strategy is None: return None
+        if self.strategy is None or self.degrees is not None: return None
         kw = dict(strategy=self.strategy)
         if self.activation_checkpointing: kw['activation_checkpointing'] = True
         if self.offload: kw['offload'] = True
@@ -66,6 +70,11 @@ class MemoryPlan:
         "The plan as lines of Python: wrap, the optimizer, fit"
         if self.strategy is None: return ''
         e = self.estimates[self.chosen]
+        if self.degrees is not None:
+            d = ', '.join(f"{k}={getattr(self.degrees, k)}" for k in self.degrees.enabled)
+            ac = ', activation_checkpointing=True' * self.activation_checkpointing
+            return (f"model = dtnb.parallelize(model, dtnb.Degrees({d}), loss_fn{ac})\n"
+                    f"optimizer = torch.optim.AdamW(model.parameters(), lr=...)")
         opts = ''.join(f", {k}={v!r}" for k, v in self.wrap_kwargs.items() if k != 'strategy')
         extra = ", loss_fn=loss_fn" if self.strategy == 'pipeline' else ''
         opt = dict(sgd='SGD', momentum='SGD', adam='Adam', adamw='AdamW')[e.optimizer]
@@ -89,10 +98,15 @@ class MemoryPlan:
         states = lambda e: f"{fmt_bytes(e.offloaded)} on host" if e.offload else fmt_bytes(e.model_states)
         lower = lambda e, b: (('≥ ' + fmt_bytes(b)) if b else 'not counted') if 'gathered units' in e.unknown \
                              else fmt_bytes(b)
+        t = lambda i: () if self.step_times is None else ('-' if self.step_times[i] is None else
+                                                          f"{self.step_times[i]:.3g}",)
         return [(('→ ' if i == self.chosen else '') + e.label, e.world_size, states(e),
                  'not counted' if e.activations is None else fmt_bytes(e.activations), lower(e, e.temporary),
-                 e.total_text, self._fits(e)) for i, e in enumerate(self.estimates)]
-    _cols = ('option', 'devices', 'model states', 'activations', 'temporary', 'total per device', 'fits')
+                 e.total_text, self._fits(e), *t(i)) for i, e in enumerate(self.estimates)]
+    @property
+    def _cols(self):
+        return ('option', 'devices', 'model states', 'activations', 'temporary', 'total per device', 'fits',
+                *(('step s',) if self.step_times is not None else ()))
     def _head(self):
         run = f"\nrun it: {self.code.splitlines()[0]}" if self.strategy else ''
         return f"{self.label}: {self.reason}\n{self.assumptions()}{run}"
@@ -101,7 +115,8 @@ class MemoryPlan:
                     offload=self.offload, reason=self.reason,
                     memory=self.memory, budget=self.budget, device=self.device, chosen=self.chosen,
                     margin=self.margin, wrap_kwargs=self.wrap_kwargs, assumptions=self.assumptions(), code=self.code,
-                    estimates=[e.to_dict() for e in self.estimates])
+                    estimates=[e.to_dict() for e in self.estimates], step_times=self.step_times,
+                    degrees=None if self.degrees is None else self.degrees.to_dict())
     def _repr_markdown_(self):
         h = self._head().split('\n')
         return f"**{h[0]}**\n\n" + ''.join(f"{l}\n\n" for l in h[1:]) + md_table(self._cols, self.rows())
@@ -136,6 +151,8 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
               memory:int|float|None=None, # bytes per device, instead of the report's
               margin:float=0.1, # fraction of device memory kept free
               units=None, # module classes that are the model's units
+              layouts:bool=False, # search `parallelize` layouts (tp × pp × dp_shard × dp_replicate) instead
+              node:Node|None=None, # with `layouts`: the devices per node, their speed and links (default: `Node()`)
              ) -> MemoryPlan:
     "The first strategy, in order of cost, whose estimate fits the device memory, and the table that led there"
     if not 0 <= margin < 1: raise ValueError(f"margin={margin} must be a fraction of device memory in [0, 1), e.g. 0.1")
@@ -147,6 +164,8 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
     else: device = 'given'
     if not memory:
         raise ValueError("The device memory is unknown (psutil missing?): pass memory= in bytes, e.g. memory=80e9")
+    if layouts: return _recommend_layout(model, batch, ws, memory, device, margin, optimizer, precision, loss_fn,
+                                         shape, units, node or Node())
     kw = dict(optimizer=optimizer, precision=precision, shape=shape, units=units)
     if batch is not None: kw['activations'] = trace_activations(model, batch, loss_fn, precision, units)
     single = estimate_memory(model, 'single', 1, **kw)
@@ -167,6 +186,85 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
                       _reason(opts, single, chosen, budget, ws), int(memory), budget, device, ests,
                       None if chosen is None else chosen + (ws > 1), margin)
 
+# %% ../../nbs/04b_plan.recommend.ipynb #abf0b8d5
+def layout_candidates(model, world_size:int, max_tp:int=8, units=None) -> list:
+    "Every `Degrees` of `world_size` ranks `parallelize` can run on `model`, tp at most `max_tp`; replicas first"
+    divs = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    if isinstance(model, TransformerShape):
+        cuts, tp_ok = model.layers, lambda t: model.heads % t == 0
+    elif hasattr(model, 'parameters'): cuts, tp_ok = len(pipeline_units(model)), lambda t: _splits(model, t)
+    else: cuts, tp_ok = world_size, lambda t: True
+    out = []
+    for tp in (t for t in divs if t <= max_tp and tp_ok(t)):
+        for pp in (p for p in divs if world_size % (tp * p) == 0 and p <= cuts):
+            dp = world_size // (tp * pp)
+            out += [Degrees(dp_replicate=r, dp_shard=dp // r, tp=tp, pp=pp) for r in divs[::-1] if dp % r == 0]
+    return out
+
+def _splits(model, tp):
+    "Whether `tp_plan` splits `model` into `tp` equal parts (tp 1: always)"
+    if tp == 1: return True
+    try: return bool(tp_linears(model, tp))
+    except ValueError: return False
+
+# %% ../../nbs/04b_plan.recommend.ipynb #34ebd299
+@dataclass
+class Node:
+    "What the step time model assumes of a node"
+    devices:int=8                # devices per node: tp stays inside one
+    flops:float=400e12           # achieved FLOP/s per device (H100 bf16: about 40% of the 989 TFLOPS peak)
+    intra:float=450e9            # bytes/s of an all-reduce inside the node (NVLink)
+    inter:float=50e9             # bytes/s across nodes (400 Gb/s)
+
+def step_time(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISION, node:Node=Node(),
+              activation_checkpointing:bool=False) -> float:
+    "Predicted seconds of one step of `shape` under layout `d` (see above)"
+    p, n, m = PRECISIONS[precision], d.world_size, 2 * d.pp
+    s, h, seqs = shape.seq_len, shape.hidden, shape.batch * n / d.dp  # sequences each data-parallel group runs
+    compute = 6 * shape.params() * s * shape.batch / node.flops * (4 / 3 if activation_checkpointing else 1)
+    bubble = (d.pp - 1) / m * compute
+    ar = lambda k, b, link: 2 * (k - 1) / k * b / link
+    tp = ar(d.tp, 4 * shape.layers / d.pp * seqs * s * h * p.activations, node.intra)
+    link = lambda ranks: node.intra if ranks <= node.devices else node.inter  # a group of consecutive ranks
+    g = shape.params() / (d.tp * d.pp) * p.grads  # gradient bytes of one rank's stage and tp slice
+    dp = (ar(d.dp_shard, 1.5 * g, link(d.tp * d.dp_shard)) +  # FSDP: reduce-scatter + the parameter gathers
+          ar(d.dp_replicate, g / d.dp_shard, link(d.tp * d.dp)))  # replicas (DDP, HSDP): all-reduce of the shards
+    pp = 2 * seqs * s * h * p.activations / node.inter if d.pp_enabled else 0
+    return compute + bubble + tp + dp + pp
+
+# %% ../../nbs/04b_plan.recommend.ipynb #d5ffcad5
+def _layout_options(model, batch, ws, optimizer, precision, loss_fn, shape, units, node):
+    "(estimate, predicted seconds or None) of each candidate layout, with and without activation checkpointing"
+    shp = model if isinstance(model, TransformerShape) else shape
+    kw = dict(optimizer=optimizer, precision=precision, batch=batch, loss_fn=loss_fn, shape=shape, units=units)
+    acs = (False, True) if batch is not None or shp is not None else (False,)
+    out = []
+    for d in layout_candidates(model, ws, node.devices, units):
+        for ac in acs:
+            e = max((estimate_memory(model, degrees=d, activation_checkpointing=ac, rank=r, **kw)
+                     for r in _stage_heads(d)), key=lambda e: e.total)
+            out.append((e, step_time(shp, d, precision, node, ac) if shp is not None else None))
+    return out
+
+def _stage_heads(d):
+    "One rank of each pipeline stage (the others hold the same shares): the ranks whose estimates differ"
+    return range(0, d.world_size, d.world_size // d.pp)
+
+def _recommend_layout(model, batch, ws, memory, device, margin, optimizer, precision, loss_fn, shape, units, node):
+    "`recommend(..., layouts=True)`: the fastest layout that fits"
+    budget = int(memory * (1 - margin))
+    opts = _layout_options(model, batch, ws, optimizer, precision, loss_fn, shape, units, node)
+    fits = lambda e: e.total <= budget
+    opts.sort(key=lambda o: (not fits(o[0]), o[1] if o[1] is not None else 0))  # stable: candidates' order
+    chosen = 0 if opts and fits(opts[0][0]) else None
+    e = opts[0][0] if chosen is not None else None
+    n_fit = sum(fits(o[0]) for o in opts)
+    first = "the fastest (predicted)" if opts and opts[0][1] is not None else "the first, replicas before shards,"
+    reason = (f"{first} of the {n_fit} layouts of {len(opts)} that fit"
+              if e else f"none of {len(opts)} layouts of {ws} devices fits: use more devices or a smaller micro-batch")
+    return MemoryPlan(e and e.label, bool(e and e.activation_checkpointing), False, reason, int(memory), budget,
+                      device, [o[0] for o in opts], chosen, margin, e and e.degrees, [o[1] for o in opts])
+
 # %% ../../nbs/04b_plan.recommend.ipynb #38581a6d
 class _Message(str):
     "A message shown as Markdown by a widget"
@@ -178,7 +276,9 @@ def memory_explorer(model=7.5e9, # an `nn.Module`, a parameter count, or a `Tran
                     loss_fn=None, world_size:int=8, strategy:str='ddp', optimizer:str='adamw',
                     precision:str=DEFAULT_PRECISION):
     "An ipywidgets explorer of `estimate_memory`: change world size, dtype, batch or strategy and the table follows"
-    import ipywidgets as W
+    try: import ipywidgets as W
+    except ImportError: raise ImportError("memory_explorer needs ipywidgets: pip install 'dtnb[notebook]' (or "
+                                          "ipywidgets); estimate_memory gives the same table without it") from None
     if isinstance(model, TransformerShape): model, shape = model.params(), shape or model
     traces = {}
     def update(world_size, strategy, precision, optimizer, micro_batch, activation_checkpointing, offload):

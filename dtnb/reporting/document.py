@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/reporting.document.html.md"""
 
 # %% ../../nbs/08_reporting.document.ipynb #915fc483
 from __future__ import annotations
-import math, json, html
+import math, json, html, base64
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 from ..core.utils import fmt_bytes, precision_for
@@ -284,7 +284,7 @@ class Report:
 
 # %% ../../nbs/08_reporting.document.ipynb #7178bc1b
 def write_report(rep:Report, out:str|Path) -> list[Path]:
-    "Write report.md, report.html, results.json and one PNG per figure into `out`"
+    "Write report.md, report.html (one file: its plots inside), results.json and one PNG per figure into `out`"
     import matplotlib.pyplot as plt
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -292,6 +292,7 @@ def write_report(rep:Report, out:str|Path) -> list[Path]:
         for name, fig in s.figures.items():
             fig.savefig(out / f"{name}.png", dpi=110, bbox_inches='tight'); plt.close(fig); paths[name] = f"{name}.png"
     (out / 'report.md').write_text(rep.markdown(paths))
-    (out / 'report.html').write_text(rep.html(paths))
+    inline = {n: 'data:image/png;base64,' + base64.b64encode((out / p).read_bytes()).decode() for n, p in paths.items()}
+    (out / 'report.html').write_text(rep.html(inline))  # travels alone: a mail, another folder
     (out / 'results.json').write_text(json.dumps(rep.to_dict(), indent=2, default=str))
     return [out / f for f in ('report.md', 'report.html', 'results.json', *paths.values())]

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..detection.device import detect
 from ..core.utils import md_table, text_table, accelerators
 from .document import Section, Report, fig_ref, fold, write_report
+from ..core.logs import get_logger
 
 # %% auto #0
 __all__ = ['STRATEGY_RUNS', 'SECTIONS', 'load_spec', 'token_cross_entropy', 'Task', 'env_section', 'plan_section',
@@ -216,8 +217,6 @@ def training_section(quick=True, task=None, nprocs=2, **_) -> Section:
     return Section('Training: every strategy, same losses', md, txt, data,
                    error=f"strategies failed: {', '.join(failed)}" if failed else None)
 
-
-
 # %% ../../nbs/08a_reporting.sections.ipynb #f9d48485
 class _TaskSamples:
     "Samples of a task that each cost `cost_ms` of CPU, like a dataset that decodes and augments"
@@ -285,6 +284,8 @@ def _run_section(name, fn, **kw):
     return s
 
 # %% ../../nbs/08a_reporting.sections.ipynb #c8c08eeb
+_log = get_logger('dtnb.reporting.sections')
+
 def report(out:str|Path|None=None,  # folder for report.md, report.html, results.json and plots
            quick:bool=False,          # small sizes: about a minute on 2 CPU cores
            model=None,                # 'module:factory' building your model (default: dtnb's example)
@@ -303,11 +304,11 @@ def report(out:str|Path|None=None,  # folder for report.md, report.html, results
                          "--dataset module:factory (or --sections env plan bench)")
     done = []
     for i, n in enumerate(names):
-        if progress: print(f"[{i + 1}/{len(names)}] {n} ...", flush=True, file=sys.stderr)
+        if progress: _log.info(f"report: [{i + 1}/{len(names)}] {n} ...")
         done.append(_run_section(n, SECTIONS[n], quick=quick, task=task))
         if progress:
             how = 'FAILED: ' + done[-1].error if done[-1].error else 'done'
-            print(f"[{i + 1}/{len(names)}] {n} {how} ({done[-1].seconds:.1f}s)", flush=True, file=sys.stderr)
+            _log.info(f"report: [{i + 1}/{len(names)}] {n} {how} ({done[-1].seconds:.1f}s)")
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
     rep = Report(done, now, detect().fingerprint())
     if out is not None: write_report(rep, out)

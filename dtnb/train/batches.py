@@ -7,6 +7,7 @@ Docs: https://dtnb-dev.github.io/dtnb/train.batches.html.md"""
 # %% ../../nbs/05_train.batches.ipynb #e7838722
 from __future__ import annotations
 import inspect, warnings, contextlib
+from ..core.logs import EquivalenceWarning, PerformanceWarning
 from collections.abc import Mapping
 import torch
 from torch import nn
@@ -181,8 +182,6 @@ def as_metrics(metrics) -> dict:
     ms = metrics if isinstance(metrics, (list, tuple)) else [metrics]
     return {getattr(m, '__name__', type(m).__name__): m for m in ms}
 
-
-
 # %% ../../nbs/05_train.batches.ipynb #dcdafd08
 def pipeline_args(group, keys=None) -> tuple:
     "The arguments of a pipeline's `step` for a group of batches: tensors concatenated (a dict's key by key)"
@@ -274,10 +273,10 @@ def check_loader(loader, strategy, what='loader'):
     warnings.warn(f"{what} draws with a {type(s).__name__}, not a DistributedSampler, under {strategy} on {ws} "
                   f"ranks: every rank reads the whole dataset, so each sample counts {ws} times. Use "
                   "distributed_loader(dataset, global_batch_size=...) or DataLoader(dataset, "
-                  "sampler=DistributedSampler(dataset))", stacklevel=3)
+                  "sampler=DistributedSampler(dataset))", EquivalenceWarning, stacklevel=3)
 
 def check_fp16(precision, device):
     "Warn that 'fp16-mixed' on a CPU runs far slower than 'bf16-mixed'"
     if precision == 'fp16-mixed' and device.type == 'cpu':
         warnings.warn("precision='fp16-mixed' on a CPU: CPUs have no fast fp16 kernels, so it runs many times "
-                      "slower than bf16; precision='bf16-mixed' is the CPU choice", stacklevel=3)
+                      "slower than bf16; precision='bf16-mixed' is the CPU choice", PerformanceWarning, stacklevel=3)

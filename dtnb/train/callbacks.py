@@ -1,4 +1,4 @@
-"""Hooks into `fit` and the built-ins that rest on them: a CSV log, TensorBoard, early stopping, keep-best checkpoints.
+"""Hooks into `fit` and the built-ins that rest on them: CSV, TensorBoard, early stopping, best checkpoints, profiles.
 
 Docs: https://dtnb-dev.github.io/dtnb/train.callbacks.html.md"""
 
@@ -9,9 +9,10 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 from .checkpoint import save_checkpoint, checkpoint_path
+from ..core.dist import rank
 
 # %% auto #0
-__all__ = ['Callback', 'CSVLogger', 'TensorBoardLogger', 'EarlyStopping', 'KeepBest']
+__all__ = ['Callback', 'CSVLogger', 'TensorBoardLogger', 'EarlyStopping', 'KeepBest', 'Profiler']
 
 # %% ../../nbs/05f_train.callbacks.ipynb #5adb84f2
 class Callback:
@@ -67,7 +68,7 @@ class TensorBoardLogger(Callback):
         if not state.is_main: return
         try: from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
-            raise ImportError("TensorBoardLogger needs tensorboard: pip install tensorboard") from e
+            raise ImportError("TensorBoardLogger needs tensorboard: pip install 'dtnb[tensorboard]'") from e
         self.w, self.done = SummaryWriter(self.log_dir), len(state.result.losses)
     def on_step_end(self, state):
         if self.w is None: return
@@ -124,3 +125,38 @@ class KeepBest(Callback):
         self.best = v
         self.path = save_checkpoint(checkpoint_path(self.directory, state.step), state.model, state.optimizer,
                                     step=state.step, keep=1, best={self.monitor: v})
+
+# %% ../../nbs/05f_train.callbacks.ipynb #f3f241c7
+def _collective_ms(events) -> float:
+    "Milliseconds in collectives among `key_averages()` events: the backend's own (c10d's wrappers would count twice)"
+    own = [e for e in events if e.key.startswith(('gloo:', 'nccl:', 'ncclDevKernel', 'ncclKernel'))]
+    return sum(max(e.cpu_time_total, getattr(e, 'device_time_total', 0)) for e in own) / 1e3
+
+class Profiler(Callback):
+    "A torch.profiler trace of `steps` steps on every rank (DIR/rank{R}.json) and its top operators (DIR/rank{R}.txt)"
+    def __init__(self, dir, steps:int=3, warmup:int=1, top:int=12):
+        self.dir, self.steps, self.warmup, self.top = Path(dir), steps, warmup, top
+        self.prof, self.trace, self.table, self.collective_ms = None, None, '', 0.0
+    def on_fit_start(self, state):
+        import torch
+        from torch.profiler import profile, schedule, ProfilerActivity
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if acc is not None and acc.type == 'cuda' else [])
+        self.prof = profile(activities=acts, on_trace_ready=self._ready,
+                            schedule=schedule(wait=0, warmup=self.warmup, active=self.steps, repeat=1))
+        self.prof.__enter__()
+    def on_step_end(self, state):
+        if self.prof is not None: self.prof.step()
+    def on_fit_end(self, state):
+        if self.prof is not None: self.prof.__exit__(None, None, None); self.prof = None
+    def _ready(self, p):
+        self.dir.mkdir(parents=True, exist_ok=True)
+        r, events = rank(), p.key_averages()
+        self.trace = self.dir / f"rank{r}.json"; p.export_chrome_trace(str(self.trace))
+        self.collective_ms = _collective_ms(events)
+        top = events.table(sort_by='self_cpu_time_total', row_limit=self.top)
+        each = ', '.join(f"{e.key} {e.cpu_time_total / 1e3:.2f} ms ({e.count} calls)" for e in events
+                         if _collective_ms([e]))
+        self.table = f"{top}\ncollectives: {self.collective_ms:.2f} ms in {self.steps} steps (rank {r})" + \
+                     (f": {each}" if each else '')
+        (self.dir / f"rank{r}.txt").write_text(self.table + '\n')

@@ -7,6 +7,7 @@ Docs: https://dtnb-dev.github.io/dtnb/train.checkpoint.html.md"""
 # %% ../../nbs/05b_train.checkpoint.ipynb #c002
 from __future__ import annotations
 import os, re, json, time, uuid, zlib, shutil, warnings, threading, contextlib, collections
+from ..core.logs import CheckpointWarning
 from dataclasses import dataclass, field
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
@@ -419,7 +420,8 @@ def latest_checkpoint(root, warn:bool=True) -> Path|None:
     cl = list_checkpoints(root)
     if warn and cl.partial and rank_world()[0] == 0:
         warnings.warn(f"skipped {len(cl.partial)} partial checkpoint(s) in {root}: " +
-                      '; '.join(f"{Path(c['path']).name} ({c['why']})" for c in cl.partial), stacklevel=2)
+                      '; '.join(f"{Path(c['path']).name} ({c['why']})" for c in cl.partial),
+                      CheckpointWarning, stacklevel=2)
     return cl.latest
 
 def prune_checkpoints(root, keep:int, protect=None) -> list:

@@ -180,7 +180,8 @@ class Checkpoint:
                 ('ranks', f"saved on {self.saved_ranks}, loaded on {self.ranks}"),
                 ('RNG states', 'restored' if self.rng_restored else 'not restored (different number of ranks)'),
                 ('data position',
-                 f"epoch {self.data['epoch']}, {self.data['offset']} batches served" if self.data else '-'),
+                 f"epoch {self.data['epoch']}, {self.data['offset']} batches served".removeprefix('epoch None, ')
+                 if self.data else '-'),
                 ('extras', ', '.join(sorted(self.extra)) or '-')]
     def _repr_markdown_(self): return md_table(('', ''), self._rows())
     def __str__(self): return text_table(('', ''), self._rows())
@@ -194,6 +195,12 @@ def _restore_buffers(model, own:dict):
         if k in live: live[k].copy_(v)
 
 # %% ../../nbs/05c_train.checkpoint_load.ipynb #f9ca7b9d
+def _position(d) -> dict|None:
+    "Where the saved loader was: dtnb's (epoch, offset); a loader's own state (StatefulDataLoader): batches served"
+    if d is None: return None
+    if 'epoch' in d and 'offset' in d: return dict(epoch=d['epoch'], offset=d['offset'])
+    return dict(epoch=None, offset=d.get('_num_yielded'))  # torchdata's StatefulDataLoader counts what it yielded
+
 def load_checkpoint(path,                     # a checkpoint directory, or a directory of them (then its newest one)
                     model,                    # the same model, built the same way (any strategy, any number of ranks)
                     optimizer:torch.optim.Optimizer|None=None,
@@ -228,4 +235,4 @@ def load_checkpoint(path,                     # a checkpoint directory, or a dir
         loader.load_state_dict(mine['data'])
     d = mine['data']
     return Checkpoint(str(path), meta['step'], load_pt(path / 'extra.pt'), meta['world_size'], ws, bool(rng and same),
-                      dict(epoch=d['epoch'], offset=d['offset']) if d else None)
+                      _position(d))

@@ -10,7 +10,7 @@ import os, time, warnings
 from dataclasses import dataclass, field, asdict
 import torch
 from torch import nn
-from ..core.dist import world_size, is_main, current_device
+from ..core.dist import world_size, is_main, current_device, dist_or_none
 from ..core.utils import md_table, text_table, to_device, StepProgress, DEFAULT_PRECISION
 from .batches import cast_batch, forward_loss, count_samples, check_loader, check_fp16, as_metrics, evaluate
 from .batches import pipeline_args, check_pipeline_validation, fit_precision, micro_step, optimizer_step
@@ -19,7 +19,9 @@ from ..core.models import find_blocks
 from ..parallel.fsdp import check_optimizer
 from .resume_state import resumable
 from .checkpoint import latest_checkpoint, save_checkpoint, checkpoint_path
+from ..core.logs import get_logger, CheckpointWarning, UsageWarning
 from .checkpoint_load import load_checkpoint
+from .stragglers import watch_ranks
 
 # %% auto #0
 __all__ = ['FitResult', 'FitState', 'fit']
@@ -40,6 +42,7 @@ class FitResult:
     grad_norms: list = field(default_factory=list)   # gradient norm before clipping (NaN: not measured)
     validations: list = field(default_factory=list)  # one dict per validation: step, epoch, val_loss, metrics
     stopped: str = ''         # why training stopped early (a callback's reason), if it did
+    ranks: object = None      # several ranks: each one's step split (RankSteps: data, compute, collective wait)
 
     @property
     def samples_per_s(self): return self.samples / self.seconds if self.seconds else 0.0
@@ -63,8 +66,8 @@ class FitResult:
 
     _cols = ('strategy', 'steps', 'first loss', 'last loss', 'samples/s', 'seconds', 'waiting for data',
              'last validation')
-    def _repr_markdown_(self): return md_table(self._cols, self._rows())
-    def __str__(self): return text_table(self._cols, self._rows())
+    def _repr_markdown_(self): return md_table(self._cols, self._rows()) + f"\n\n{self.ranks.verdict}"*bool(self.ranks)
+    def __str__(self): return text_table(self._cols, self._rows()) + (f"\n{self.ranks.verdict}" if self.ranks else '')
 
 # %% ../../nbs/05e_train.loop.ipynb #c010
 def _at_end(loader, served) -> bool:
@@ -102,17 +105,15 @@ def _strategy(model) -> str:
 
 def _reduce(losses, norms, kind) -> tuple[list, list]:
     "Per-step losses averaged over the data-parallel ranks, gradient norms (`ShardNorm`s summed): one all-reduce"
-    import torch.distributed as dist
     dev, k, shard = current_device(), len(losses), [i for i, n in enumerate(norms) if isinstance(n, ShardNorm)]
     full = torch.stack([torch.full((), float('nan'), device=dev) if n is None else getattr(n, 'sq', n).detach().float()
                         for n in norms]).cpu() if norms else torch.zeros(0)  # one read of the device
     if kind == 'pipeline': return [float(l) for l in losses], full.tolist()  # the whole batch's already
     t = torch.cat([torch.stack(losses).detach().float().reshape(-1).cpu() if k else full[:0], full[shard]])
-    if dist.is_initialized() and dist.get_world_size() > 1:  # gloo reduces on the CPU, nccl on the device
-        dist.all_reduce(t := t.to(dev) if dist.get_backend() == 'nccl' else t)
-        t = t.cpu(); t[:k] /= dist.get_world_size()
-    full[shard] = t[k:].sqrt()
-    return t[:k].tolist(), full.tolist()
+    ws = d.get_world_size() if (d := dist_or_none()) is not None else 1
+    if ws > 1: d.all_reduce(t := t.to(dev) if d.get_backend() == 'nccl' else t)  # gloo reduces on the CPU
+    t = t.cpu(); full[shard] = t[k:].sqrt()
+    return (t[:k] / ws).tolist(), full.tolist()
 
 # %% ../../nbs/05e_train.loop.ipynb #c012
 _HISTORY = ('losses', 'lrs', 'grad_norms')
@@ -131,12 +132,11 @@ def _warn_changed(mine, theirs, path):
     if diff and is_main():
         warnings.warn(f"resumed from {path}: this run's optimizer has {', '.join(diff)}; the checkpoint's values "
                       "won (an exact resume). To train on with new values, set them in optimizer.param_groups from "
-                      "a callback's on_fit_start, or start a new checkpoint_dir", stacklevel=3)
+                      "a callback's on_fit_start, or start a new checkpoint_dir", CheckpointWarning, stacklevel=3)
 
 def _resume(checkpoint_dir, model, optimizer, loader, scheduler, scaler) -> tuple[int, dict, str]:
     "Load the newest complete checkpoint in `checkpoint_dir`, if any; returns (its step, the history so far, its path)"
-    last = latest_checkpoint(checkpoint_dir)
-    if last is None: return 0, {}, ''
+    if (last := latest_checkpoint(checkpoint_dir)) is None: return 0, {}, ''
     mine = _hyper(optimizer, scheduler)
     ck = load_checkpoint(last, model, optimizer, loader=loader)
     state = ck.extra.get('fit', {})
@@ -227,15 +227,14 @@ def _check_lr_drop(first, optimizer, scheduler_interval):
     if scheduler_interval == 'step' and first_lr and lr < 1e-6 * first_lr:
         warnings.warn(f"the learning rate fell from {first_lr:.3g} to {lr:.3g} in the first epoch: a per-epoch "
                       "schedule (StepLR, ExponentialLR, ...) stepped after every step? pass scheduler_interval='epoch'",
-                      stacklevel=4)
+                      UsageWarning, stacklevel=4)
 
 def _compile(model, kind, options=None) -> list:
     "torch.compile each block of `model` in place (the whole model if it has none); returns the block names"
     if kind == 'pipeline': raise ValueError("compile=True does not apply to a pipeline: compile its stages")
     m, options = model.module if kind == 'ddp' else model, options or {}
     blocks = find_blocks(m)
-    for name in blocks: m.get_submodule(name).compile(**options)
-    if not blocks: m.compile(**options)
+    for name in blocks or ['']: m.get_submodule(name).compile(**options)  # '': the whole model
     return blocks
 
 # %% ../../nbs/05e_train.loop.ipynb #aecf5fad
@@ -301,6 +300,7 @@ class _Run:
         for f in self.hooks[hook]: f(self.state)
 
 # %% ../../nbs/05e_train.loop.ipynb #a529a594
+_log = get_logger('dtnb.train.loop')  # fit's messages; results are FitResult's
 def _flush(run):
     "The steps since the last flush into the result: losses averaged over the ranks (one all-reduce), norms, lrs"
     p, res = run.pending, run.state.result
@@ -364,8 +364,7 @@ def _train_step(run, group) -> bool:
 
 def _end_epoch(run) -> bool:
     "The end of a pass over the loader: a per-epoch schedule steps, validation may run; returns whether to stop"
-    s = run.state
-    s.epoch += 1
+    s = run.state; s.epoch += 1
     if run.scheduler is not None and run.scheduler_interval == 'epoch': run.scheduler.step()
     if run.scheduler is not None and s.epoch == 1:
         _check_lr_drop(s.result.lrs[:1] or run.pending['lr'][:1], s.optimizer, run.scheduler_interval)
@@ -381,8 +380,8 @@ def _restore(run) -> int:
     if not res.resumed_from: return 0
     for k in (*_HISTORY, 'validations'): setattr(res, k, hist.get(k, []))
     res.start_step, s.epoch = s.step, hist.get('epochs_done', 0)
-    if is_main(): print(f"fit: resumed from {res.resumed_from} at step {s.step}", flush=True)
-    return getattr(run.loader, 'epoch', 0)
+    _log.info(f"fit: resumed from {res.resumed_from} at step {s.step}")  # the main rank's (RankFilter)
+    return getattr(run.loader, 'epoch', s.epoch)  # a loader with its own state_dict (StatefulDataLoader): no epoch
 
 def _finish(run) -> FitResult:
     "Save the last step if no checkpoint holds it yet, wait for background saves, complete the result"
@@ -442,6 +441,7 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
     ended = state.epoch > first        # a checkpoint taken after that epoch's end was handled
     run.bar = _progress(progress, run.loader, epochs, max_steps, accumulate, state.step)
     run.stoppable, run.t0 = _any_rank(any(run.hooks.values())), time.perf_counter()
+    watch_ranks(run.hooks, log_every, progress)  # several ranks: a slower one named with its cause (train.stragglers)
 
     run.call('on_fit_start')
     done = lambda: max_steps is not None and state.step >= max_steps
