@@ -152,7 +152,7 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
               margin:float=0.1, # fraction of device memory kept free
               units=None, # module classes that are the model's units
               layouts:bool=False, # search `parallelize` layouts (tp × pp × dp_shard × dp_replicate) instead
-              node:Node|None=None, # with `layouts`: the devices per node, their speed and links (default: `Node()`)
+              node=None,           # with `layouts`: a `Node` (devices per node, their speed, links; default `Node()`)
              ) -> MemoryPlan:
     "The first strategy, in order of cost, whose estimate fits the device memory, and the table that led there"
     if not 0 <= margin < 1: raise ValueError(f"margin={margin} must be a fraction of device memory in [0, 1), e.g. 0.1")
