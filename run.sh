@@ -4,8 +4,10 @@
 #   bash run.sh test   set up .venv, install mpirun and Chromium where it can (test_deps), run every test
 #                      (nbdev-test through tools/test_notebooks.sh, the docs site from its outputs, then pytest tests/)
 #                      but the namespace-host ones (markers cluster, cluster_long; DTNB_NO_CLUSTER=1 for the notebooks)
+#                      and the `long` ones
 #   bash run.sh test-long   those (minutes, as root: hosts made of network namespaces, a real SLURM, elastic
-#                      restarts, the cluster tutorial); installs iproute2, slurm-wlm and munge where it can
+#                      restarts, the cluster tutorial), and the `long` ones (measured gains, stress, whole-tool runs);
+#                      installs iproute2, slurm-wlm and munge where it can
 # Setup is idempotent: a second run reuses .venv. TORCH_SPEC picks another torch (default: the 2.13.0 wheel,
 # the CPU build on machines that carry it; a GPU machine may set TORCH_SPEC=torch to get its CUDA build).
 set -euo pipefail
@@ -67,11 +69,11 @@ case "${1:-}" in
          DTNB_NO_CLUSTER=1 NBDEV_TEST="$VENV/bin/nbdev-test" bash tools/test_notebooks.sh --save --timing ${DTNB_NBDEV_TEST_ARGS:-}
          "$VENV/bin/python" tools/docs.py build --no-exec
          strip_outputs; trap - EXIT
-         "$VENV/bin/pytest" tests/ -q -m "not cluster and not cluster_long" --durations=25 ;;  # the slowest 25: the budget
+         "$VENV/bin/pytest" tests/ -q -m "not cluster and not cluster_long and not long" --durations=25 ;;  # the slowest 25: the budget
   test-long) setup  # minutes on namespace hosts (pytest markers cluster, cluster_long) and the cluster tutorial
          test_deps
          slurm_deps
          "$VENV/bin/nbdev-test" --path-re "tutorials/cluster"
-         "$VENV/bin/pytest" tests/ -q -m "cluster or cluster_long" ;;
+         "$VENV/bin/pytest" tests/ -q -m "cluster or cluster_long or long" ;;
   *) echo "usage: bash run.sh main|test|test-long|setup" >&2; exit 2 ;;
 esac

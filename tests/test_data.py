@@ -40,6 +40,7 @@ def side_by_side(ds, bs, best, rounds=3, trial_s=0.8):
 
 # --- the tuner's gain, measured side by side --------------------------------------------------------------------------
 
+@pytest.mark.long  # a measured gain: bash run.sh test-long
 def test_tuner_beats_no_workers_on_cpu_bound_set():
     ds = SyntheticDataset(2048, cost_ms=2, mode='cpu')
     free = [cores_free()]
@@ -56,6 +57,7 @@ def test_tuner_beats_no_workers_on_cpu_bound_set():
                                  f"({tuned / zero:.2f}×; cores free {free})\n{res}")
 
 
+@pytest.mark.long  # a measured gain: bash run.sh test-long
 def test_tuner_beats_no_workers_more_on_io_like_set():
     ds = SyntheticDataset(2048, cost_ms=2, mode='sleep')
     cost = measure_sample_cost(ds)

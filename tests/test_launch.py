@@ -111,6 +111,7 @@ def test_keyboard_interrupt_stops_every_rank(kernel):
     assert kernel_children(km) == []
 
 
+@pytest.mark.long  # a stress test: bash run.sh test-long
 def test_200_launches_in_one_kernel(kernel):
     km, kc = kernel
     run(kc, SETUP)
