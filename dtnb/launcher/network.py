@@ -14,8 +14,8 @@ from .hangs import CollectiveTimeout, collective_counts, pending_collective, lat
 
 # %% auto #0
 __all__ = ['IFNAME_VARS', 'PEER_TIMEOUT', 'NetworkError', 'Route', 'route_to', 'advertised_address', 'socket_ifname_env',
-           'check_advertised', 'prepare_network', 'network_summary', 'peer_timeout', 'PeerLostError', 'PeerWatch',
-           'start_peer_watch', 'stop_peer_watch']
+           'check_advertised', 'prepare_network', 'network_summary', 'env_seconds', 'peer_timeout', 'PeerLostError',
+           'PeerWatch', 'start_peer_watch', 'stop_peer_watch']
 
 # %% ../../nbs/02_launcher.network.ipynb #e2e9d084
 class NetworkError(LaunchError):
@@ -165,13 +165,19 @@ def network_summary(master_addr:str|None=None, nnodes:int=1, env:dict|None=None)
 # %% ../../nbs/02_launcher.network.ipynb #d365eb34
 PEER_TIMEOUT = 60.0
 
+def env_seconds(name:str, default:float, env:dict|None=None, off:bool=False) -> float:
+    "Seconds from the variable `name`, else `default`; 0 is accepted only where it turns the bound `off`"
+    v = (os.environ if env is None else env).get(name, '')
+    try: t = float(v) if v else default
+    except ValueError: t = -1
+    if t < 0 or (t == 0 and not off):
+        raise ValueError(f"{name}={v!r}: give seconds {'>= 0' if off else '> 0'}, e.g. {name}={default:g}"
+                         + (" (0: off)" if off else ""))
+    return t
+
 def peer_timeout(env:dict|None=None) -> float:
     "Seconds a rank may go unheard before its peers end the job: `DTNB_PEER_TIMEOUT`, default 60 (0 turns it off)"
-    v = (os.environ if env is None else env).get('DTNB_PEER_TIMEOUT', '')
-    try: t = float(v) if v else PEER_TIMEOUT
-    except ValueError: t = -1
-    if t < 0: raise ValueError(f"DTNB_PEER_TIMEOUT={v!r}: give seconds >= 0, e.g. DTNB_PEER_TIMEOUT=60 (0: off)")
-    return t
+    return env_seconds('DTNB_PEER_TIMEOUT', PEER_TIMEOUT, env, off=True)
 
 class PeerLostError(NetworkError):
     "A peer rank stopped answering: its process died, its host went down, or its link was cut"

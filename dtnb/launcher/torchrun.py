@@ -11,7 +11,7 @@ from ..core.logs import PerformanceWarning
 from ..detection.device import usable_cores
 from .processes import free_port, check_launch_args, cpu_oversubscription
 from ..core.utils import accelerators
-from .network import prepare_network, route_to
+from .network import prepare_network, route_to, env_seconds
 
 # %% auto #0
 __all__ = ['JOIN_TIMEOUT', 'default_join_timeout', 'run_agent', 'rendezvous_failure', 'torchrun_command']
@@ -50,11 +50,7 @@ JOIN_TIMEOUT = 60.0
 
 def default_join_timeout(env:dict|None=None) -> float:
     "Seconds every node has to join the rendezvous, at start and after a restart: `DTNB_JOIN_TIMEOUT`, default 60"
-    v = (os.environ if env is None else env).get('DTNB_JOIN_TIMEOUT', '')
-    try: t = float(v) if v else JOIN_TIMEOUT
-    except ValueError: t = -1
-    if t <= 0: raise ValueError(f"DTNB_JOIN_TIMEOUT={v!r}: give seconds > 0, e.g. DTNB_JOIN_TIMEOUT=300")
-    return t
+    return env_seconds('DTNB_JOIN_TIMEOUT', JOIN_TIMEOUT, env)
 
 def _rdzv_conf(torchrun_args, nnodes:int, timeout:float) -> list:
     "One `--rdzv-conf`: the user's keys, `is_host=1` where this node holds the endpoint, and the join time-out"
