@@ -220,7 +220,10 @@ def _bounded(fn, seconds:float, default=None):
     def run():
         try: out[0] = fn()
         except Exception as e: out[0] = e
-    t = threading.Thread(target=run, daemon=True); t.start(); t.join(seconds)
+    t = threading.Thread(target=run, daemon=True)
+    try: t.start()
+    except RuntimeError: run(); return out[0]  # at exit (atexit) Python 3.12+ starts no thread: the call, unbounded
+    t.join(seconds)
     return out[0]
 
 # %% ../../nbs/02_launcher.network.ipynb #4e4c0bb2
