@@ -6,8 +6,8 @@
 #                      but the namespace-host ones (markers cluster, cluster_long; DTNB_NO_CLUSTER=1 for the notebooks)
 #                      and the `long` ones
 #   bash run.sh test-long   those (minutes, as root: hosts made of network namespaces, a real SLURM, elastic
-#                      restarts, the cluster tutorial), and the `long` ones (measured gains, stress, whole-tool runs);
-#                      installs iproute2, slurm-wlm and munge where it can
+#                      restarts, the cluster tutorial), and the `long` ones (measured gains, stress, whole-tool runs,
+#                      Ray Train); installs iproute2, slurm-wlm and munge where it can, and the `ray` extra
 # Setup is idempotent: a second run reuses .venv. TORCH_SPEC picks another torch (default: the 2.13.0 wheel,
 # the CPU build on machines that carry it; a GPU machine may set TORCH_SPEC=torch to get its CUDA build).
 set -euo pipefail
@@ -58,6 +58,15 @@ slurm_deps() {
   [ "${DTNB_REQUIRE_TEST_DEPS:-0}" != 1 ] || exit 1
 }
 
+# And Ray Train for tests/test_ray.py (`long`): the `ray` extra, from PyPI with pip (skips there without it).
+ray_deps() {
+  "$VENV/bin/python" -c "import ray.train.torch" >/dev/null 2>&1 && return 0
+  echo "run.sh: installing the ray extra (for tests/test_ray.py)"
+  "$VENV/bin/pip" install -q -e ".[ray]" && return 0
+  echo "run.sh: the ray extra did not install: tests/test_ray.py skips"
+  [ "${DTNB_REQUIRE_TEST_DEPS:-0}" != 1 ] || exit 1
+}
+
 case "${1:-}" in
   setup) setup ;;
   main)  setup; "$VENV/bin/dtnb" report --quick --out dtnb-report ;;
@@ -73,6 +82,7 @@ case "${1:-}" in
   test-long) setup  # minutes on namespace hosts (pytest markers cluster, cluster_long) and the cluster tutorial
          test_deps
          slurm_deps
+         ray_deps
          "$VENV/bin/nbdev-test" --path-re "tutorials/cluster"
          "$VENV/bin/pytest" tests/ -q -m "cluster or cluster_long or long" ;;
   *) echo "usage: bash run.sh main|test|test-long|setup" >&2; exit 2 ;;

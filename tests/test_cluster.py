@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DTNB = str(Path(sys.executable).parent / 'dtnb')
 BOUND = 15  # DTNB_PEER_TIMEOUT in these tests
 SLACK = 25  # on top of BOUND: one heartbeat period, torchrun's teardown, and a loaded 2-core machine
+STOPS = r"\[rank \d\] ERROR: dtnb\.launcher\.network: "  # a surviving rank's last line (dtnb.core.logs)
 TRAIN = ['examples/train.py', '--steps', '6', '--global-batch', '12']
 LAUNCH_VARS = ('OMPI_', 'PMI', 'PMIX_', 'SLURM_', 'MV2_', 'MPI_', 'I_MPI_', 'PALS_', 'TORCHELASTIC_', 'DTNB_')
 PLAIN = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'MASTER_ADDR', 'MASTER_PORT',
@@ -110,8 +111,8 @@ def test_cut_host_stops_every_rank_naming_it(cluster, tmp_path):
     assert None not in ends, (ends, [o[-2500:] for o in out])
     assert all(e > BOUND * 0.8 for e in ends), ends  # a heartbeat missed for the bound, not something sooner
     for o in out[:2]:  # every survivor: one error naming the lost rank and host, and what it was doing
-        assert re.search(r"dtnb: rank [01] on host[12] stops: lost rank 2 on host3 \(10\.77\.0\.3\): not heard from "
-                         rf"for \d+ s \(limit DTNB_PEER_TIMEOUT={BOUND} s\); it was last (in|at) ", o), o[-3000:]
+        assert re.search(rf"{STOPS}rank [01] on host[12] stops: lost rank 2 on host3 \(10\.77\.0\.3\): not heard "
+                         rf"from for \d+ s \(limit DTNB_PEER_TIMEOUT={BOUND} s\); it was last (in|at) ", o), o[-3000:]
     assert "lost rank 0 on host1 (10.77.0.1), which holds the job's store" in out[2], out[2][-3000:]
     assert c.pids() == []
 
@@ -125,9 +126,9 @@ def test_killed_host_stops_every_rank_naming_it(cluster, tmp_path):
     ends = ended_within(c, procs, t, BOUND + SLACK)
     out = logs[0].read_text()
     assert ends[0] is not None, out[-3000:]
-    assert re.search(r"dtnb: rank 0 on host1 stops: lost host2 \(10\.77\.0\.2: rank 1\): the connection broke "
+    assert re.search(rf"{STOPS}rank 0 on host1 stops: lost host2 \(10\.77\.0\.2: rank 1\): the connection broke "
                      r"\([^)]*\[10\.77\.0\.2\]:\d+[^)]*\); it was last (in|at) ", out) or \
-        re.search(r"dtnb: rank 0 on host1 stops: lost rank 1 on host2 \(10\.77\.0\.2\)", out), out[-3000:]
+        re.search(rf"{STOPS}rank 0 on host1 stops: lost rank 1 on host2 \(10\.77\.0\.2\)", out), out[-3000:]
     assert c.pids() == []
 
 

@@ -1,6 +1,6 @@
 """dtnb's messages through `logging` (`dtnb.core.logs`), captured with caplog: per level, and per rank on two real gloo
 ranks. The CPU is the subject: the ranks are CPU ranks (`cpu_ranks`, conftest.py)."""
-import logging, warnings
+import logging, os, socket, subprocess, sys, warnings
 import pytest, torch
 from dtnb.core.logs import get_logger, set_verbosity, DtnbWarning, UsageWarning
 from dtnb.core.models import ToyModel, toy_data
@@ -91,3 +91,34 @@ def test_warnings_are_dtnb_warnings():
         fit(model, loader, opt, epochs=1, scheduler=sched, progress=False)
     cats = [x.category for x in w if issubclass(x.category, DtnbWarning)]
     assert cats == [UsageWarning], [(x.category, str(x.message)) for x in w]
+
+
+def test_progress_lines_go_through_the_loop_logger(caplog, monkeypatch):
+    "Under a launcher fit's progress is a line every few seconds: an INFO record of dtnb.train.loop, not a print"
+    monkeypatch.setenv('DTNB_LAUNCH', '1'); monkeypatch.setenv('RANK', '0'); monkeypatch.setenv('WORLD_SIZE', '1')
+    caplog.set_level(logging.INFO)
+    torch.manual_seed(0)
+    model = ToyModel()
+    loader = torch.utils.data.DataLoader(toy_data(32), batch_size=8)
+    fit(model, loader, torch.optim.SGD(model.parameters(), lr=0.05), max_steps=3)
+    lines = [m for level, m in messages(caplog, 'dtnb.train.loop') if level == 'INFO' and ' · loss ' in m]
+    assert len(lines) == 2 and lines[0].startswith('fit: step 1/3 · loss ') and lines[1].startswith('fit: step 3/3')
+
+
+LOST = '''
+import io, logging, sys
+from dtnb.launcher.network import PeerLostError, _exit_lost
+logging.basicConfig(filename=sys.argv[1], format='%(name)s: %(message)s')  # a handler of your own gets it too
+sys.stderr = io.StringIO()  # as torch's excepthook holds sys.stderr: the line must reach the real one
+_exit_lost(PeerLostError("lost rank 1 on h2 (10.0.0.2): not heard from for 60 s", 1, 'h2'))
+'''
+
+
+def test_a_rank_that_stops_for_a_lost_peer_says_so_on_the_real_stderr(tmp_path):
+    "The last line of a rank that ends itself (os._exit) for a lost peer: on the process's stderr and in your handlers"
+    log = tmp_path / 'rank0.log'
+    env = {**os.environ, 'RANK': '0', 'WORLD_SIZE': '2'}
+    r = subprocess.run([sys.executable, '-c', LOST, str(log)], env=env, capture_output=True, text=True, timeout=60)
+    want = f"rank 0 on {socket.gethostname()} stops: lost rank 1 on h2 (10.0.0.2): not heard from for 60 s"
+    assert r.returncode == 1 and f"[rank 0] ERROR: dtnb.launcher.network: {want}" in r.stderr, r.stderr
+    assert f"dtnb.launcher.network: {want}" in log.read_text()

@@ -56,8 +56,9 @@ class RankFormatter(logging.Formatter):
 class _Stderr(logging.StreamHandler):
     "dtnb's own handler: the current `sys.stderr`; silent while the root logger has handlers (they get the record)"
     def emit(self, record):
-        if logging.getLogger().handlers: return
-        self.stream = sys.stderr  # the one of now: a notebook's, pytest's capture
+        last = getattr(record, 'last_word', False)  # a rank's line before os._exit: the real stderr, in any case
+        if logging.getLogger().handlers and not last: return
+        self.stream = (sys.__stderr__ or sys.stderr) if last else sys.stderr  # else the one of now: a notebook's
         super().emit(record)
 
 # %% ../../nbs/00d_core.logs.ipynb #3a192aca

@@ -80,9 +80,11 @@ def progress_bar(it=None, enable:bool|None=None, **kwargs):
 
 # %% ../../nbs/00_core.utils.ipynb #d0fb6439
 class StepProgress:
-    "Progress over optimizer steps: a bar, or with `lines` a printed line every `every` seconds (for launched ranks)"
-    def __init__(self, on:bool, total:int|None, start:int=0, lines:bool=False, every:float=2.0, desc:str='fit'):
+    "Progress over optimizer steps: a bar, or with `lines` a line every `every` seconds to `say` (for launched ranks)"
+    def __init__(self, on:bool, total:int|None, start:int=0, lines:bool=False, every:float=2.0, desc:str='fit',
+                 say=None):  # where the lines go: a logger's `info` (fit's), None: print
         self.total, self.start, self.every, self.lines, self.desc = total, start, every, on and lines, desc
+        self.say = say or (lambda line: print(line, flush=True))
         self.t0, self.last = time.perf_counter(), float('-inf')
         self.bar = progress_bar(total=total, initial=start, enable=on and not lines, desc=desc, unit='step',
                                 mininterval=0.5)
@@ -95,7 +97,7 @@ class StepProgress:
             self.last = time.perf_counter()
             rate = (step - self.start) / max(self.last - self.t0, 1e-9)
             of = f"/{self.total}" if self.total else ''
-            print(f"{self.desc}: step {step}{of} · loss {float(loss):.4f} (rank 0) · {rate:.1f} steps/s", flush=True)
+            self.say(f"{self.desc}: step {step}{of} · loss {float(loss):.4f} (rank 0) · {rate:.1f} steps/s")
     def close(self):
         if self.bar is not None: self.bar.close()
 

@@ -57,6 +57,7 @@ _LAUNCHERS = {  # launcher: (rank, world size, local rank, local world size, nod
     # a tuple lists alternative names, the first one set wins. Open MPI's OMPI_COMM_WORLD_NODE_RANK is a rank
     # among this node's processes, not the node's index: MPI node ranks come from rank // local size.
     'torchrun': ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'GROUP_RANK'),
+    'ray':      ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'NODE_RANK'),  # Ray Train's TorchTrainer
     'slurm':    ('SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID', None, 'SLURM_NODEID'),
     'openmpi':  ('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE', 'OMPI_COMM_WORLD_LOCAL_RANK',
                  'OMPI_COMM_WORLD_LOCAL_SIZE', None),
@@ -67,12 +68,14 @@ _LAUNCHERS = {  # launcher: (rank, world size, local rank, local world size, nod
 _MPI = ('openmpi', 'mvapich', 'mpich', 'intelmpi', 'pmi')
 _LAUNCHED_BY = {'dtnb': 'dtnb.launch', 'torchrun': 'torchrun', 'slurm': 'srun (SLURM)', 'openmpi': 'mpirun (Open MPI)',
                 'mvapich': 'mpirun (MVAPICH2)', 'mpich': 'mpiexec (MPICH Hydra)', 'intelmpi': 'mpirun (Intel MPI)',
-                'pmi': 'a PMI launcher (PMI_RANK, PMI_SIZE)', 'env': 'env:// variables (RANK, WORLD_SIZE)'}
+                'pmi': 'a PMI launcher (PMI_RANK, PMI_SIZE)', 'env': 'env:// variables (RANK, WORLD_SIZE)',
+                'ray': "Ray Train's TorchTrainer"}
 
 def _which_launcher(env):
     "Name of the launcher that set `env`, or None"
     if env.get('DTNB_LAUNCH'): return 'dtnb'
     if env.get('TORCHELASTIC_RUN_ID') or 'GROUP_RANK' in env: return 'torchrun'
+    if 'RAY_RAYLET_PID' in env and 'RANK' in env: return 'ray'  # a Ray Train worker: Ray's RANK before SLURM's
     if 'OMPI_COMM_WORLD_RANK' in env: return 'openmpi'  # before SLURM: mpirun inside an allocation sees both
     if 'MV2_COMM_WORLD_RANK' in env: return 'mvapich'
     if 'PMI_RANK' in env:  # Intel MPI's Hydra leaves I_MPI_* settings, MPICH's Hydra sets MPI_LOCALRANKID
@@ -86,7 +89,7 @@ def _which_launcher(env):
 @dataclass
 class LaunchEnv:
     "Who started this process, and its place in the job"
-    launcher: str|None = None  # 'dtnb', 'torchrun', 'slurm', 'openmpi', 'pmi', 'env' or None
+    launcher: str|None = None  # 'dtnb', 'torchrun', 'ray', 'slurm', 'openmpi', 'pmi', 'env' or None
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0

@@ -336,9 +336,9 @@ def _exit_lost(err:PeerLostError):
     "Stop this rank now, with one error: a lost peer's collectives never return, so nothing else could end them"
     _EXITING.acquire()  # once: a second caller waits here for the exit
     me = f"rank {os.environ.get('RANK', '?')} on {socket.gethostname()}"
-    err_out = sys.__stderr__  # not sys.stderr: torch's excepthook, around ours, buffers that until we return
     tail = '' if isinstance(err, CollectiveTimeout) else f"; this rank was {_activity()}"  # it says where it waits
-    print(f"dtnb: {me} stops: {err}{tail}", file=err_out, flush=True)
+    # the last word: to sys.__stderr__ too, for torch's excepthook, around ours, holds sys.stderr until we return
+    _log.error(f"{me} stops: {err}{tail}", extra=dict(last_word=True))
     _record(err)
     os._exit(1)
 

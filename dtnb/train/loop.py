@@ -175,7 +175,7 @@ def _progress(progress, loader, epochs, max_steps, accumulate, start=0, lines=No
     except TypeError: total = None
     if max_steps is not None: total = min(total or max_steps, max_steps)
     if lines is None: lines = world_size() > 1 or os.environ.get('DTNB_LAUNCH') == '1'
-    return StepProgress(progress and is_main(), total, start, lines)
+    return StepProgress(progress and is_main(), total, start, lines, say=_log.info)  # through dtnb.train.loop
 
 # %% ../../nbs/05e_train.loop.ipynb #cc0a4a82
 @dataclass
