@@ -25,7 +25,7 @@ def train_func(config):
     from dtnb.train.loop import fit
     torch.set_num_threads(1)  # a tiny model: one thread per worker
     ours = not dist.is_initialized()  # True in one process; under Ray the group is Ray's
-    init_distributed()  # joins Ray's group (or starts none in one process)
+    init_distributed()  # under Ray: Ray's group, as it is; in one process: a group of one
     torch.manual_seed(0)
     model = wrap(ToyModel(), 'ddp' if world_size() > 1 else 'single')
     loader = distributed_loader(toy_data(256), global_batch_size=16, shuffle=False)
