@@ -184,3 +184,36 @@ def test_stateful_dataloader_resumes_bitwise(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
     ck = load_checkpoint(again.resumed_from, ToyModel())
     assert ck.data == dict(epoch=None, offset=2) and '2 batches served' in str(ck)  # the one it resumed from: step 8
+
+
+def test_stateful_dataloader_resumed_to_the_end_of_a_pass_counts_its_epochs(tmp_path):
+    "A StatefulDataLoader run resumed mid-pass (or at a pass end), stopped by max_steps at a pass end: every epoch end"
+    sdl = pytest.importorskip('torchdata.stateful_dataloader', reason="no torchdata (the dev extra installs it)")
+    from dtnb.core.models import ToyModel, toy_data
+    from dtnb.train.callbacks import Callback
+    from dtnb.train.loop import fit
+    from dtnb.train.resume_state import batches_served
+
+    class Epochs(Callback):
+        def on_fit_end(self, state): self.epochs = state.epoch
+
+    def run(ckpt, steps):  # 6 batches a pass, 3 passes asked for, stopped at `steps`
+        torch.manual_seed(0)
+        model = ToyModel()
+        loader = sdl.StatefulDataLoader(toy_data(48), batch_size=8, shuffle=True, num_workers=0)
+        cb = Epochs()
+        r = fit(model, loader, torch.optim.SGD(model.parameters(), lr=0.05), epochs=3, max_steps=steps, progress=False,
+                checkpoint_dir=ckpt, callbacks=[cb])
+        return r.losses, cb.epochs
+
+    n = torch.get_num_threads(); torch.set_num_threads(1)
+    try:
+        whole = run(None, 12)
+        assert whole[1] == 2
+        for first in (8, 6):  # resumed mid-pass; resumed from the end of a pass whose end was counted
+            assert run(tmp_path / str(first), first)[1] == 1
+            assert run(tmp_path / str(first), 12) == whole, first
+    finally: torch.set_num_threads(n)
+    dl = sdl.StatefulDataLoader(list(range(12)), batch_size=2, num_workers=2)  # with workers: the snapshot's count
+    it = iter(dl); _ = [next(it) for _ in range(3)]
+    assert batches_served(dl) == 3

@@ -17,7 +17,7 @@ from .batches import pipeline_args, check_pipeline_validation, fit_precision, mi
 from .batches import ShardNorm
 from ..core.models import find_blocks
 from ..parallel.fsdp import check_optimizer
-from .resume_state import resumable
+from .resume_state import resumable, batches_served
 from .checkpoint import latest_checkpoint, save_checkpoint, checkpoint_path
 from ..core.logs import get_logger, CheckpointWarning, UsageWarning
 from .checkpoint_load import load_checkpoint
@@ -72,7 +72,7 @@ class FitResult:
 # %% ../../nbs/05e_train.loop.ipynb #c010
 def _at_end(loader, served) -> bool:
     "Whether `loader`'s current pass is exhausted after `served` batches (a resumed loader counts its position)"
-    try: return getattr(loader, 'offset', served) >= len(loader)
+    try: return (served if (pos := batches_served(loader)) is None else pos) >= len(loader)
     except TypeError: return False
 
 def _batches(loader, passes, accumulate, done, result, ended=False):
@@ -87,7 +87,7 @@ def _batches(loader, passes, accumulate, done, result, ended=False):
             if len(group) == accumulate:
                 yield group; group = []
                 if done():
-                    if _at_end(loader, served): yield None
+                    if _at_end(loader, served): next(it, None); yield None  # a saved loader is past its end
                     return
         if not (p == 0 and ended and not served): yield None  # `ended`: a resumed pass whose end was handled
 
@@ -175,7 +175,7 @@ def _progress(progress, loader, epochs, max_steps, accumulate, start=0, lines=No
     except TypeError: total = None
     if max_steps is not None: total = min(total or max_steps, max_steps)
     if lines is None: lines = world_size() > 1 or os.environ.get('DTNB_LAUNCH') == '1'
-    return StepProgress(progress and is_main(), total, start, lines, say=_log.info)  # through dtnb.train.loop
+    return StepProgress(progress and is_main(), total, start, lines, say=get_logger('dtnb.train.loop').info)
 
 # %% ../../nbs/05e_train.loop.ipynb #cc0a4a82
 @dataclass

@@ -11,7 +11,7 @@ import torch
 from ..core.dist import current_device
 
 # %% auto #0
-__all__ = ['rng_state', 'set_rng_state', 'ResumableLoader', 'resumable']
+__all__ = ['rng_state', 'set_rng_state', 'ResumableLoader', 'resumable', 'batches_served']
 
 # %% ../../nbs/05a_train.resume_state.ipynb #74011a4e
 def rng_state() -> dict:
@@ -144,3 +144,13 @@ class ResumableLoader:
 def resumable(loader) -> ResumableLoader:
     "Wrap `loader` so that a checkpoint can record, and restore, where it is"
     return loader if isinstance(loader, ResumableLoader) else ResumableLoader(loader)
+
+# %% ../../nbs/05a_train.resume_state.ipynb #2bfb5fd4
+def batches_served(loader) -> int|None:
+    "Batches `loader` has served of its current pass: a ResumableLoader's offset, a StatefulDataLoader's count; or None"
+    if isinstance(loader, ResumableLoader): return loader.offset
+    sd = loader.state_dict() if callable(getattr(loader, 'state_dict', None)) else None
+    if not isinstance(sd, dict): return None
+    if '_num_yielded' in sd: return sd['_num_yielded']  # torchdata's StatefulDataLoader, no workers
+    snap = sd.get('_snapshot')  # with workers: the last snapshot's step, and the steps since
+    return snap['_snapshot_step'] + sd.get('_steps_since_snapshot', 0) if isinstance(snap, dict) else None
