@@ -6,13 +6,13 @@ Docs: https://dtnb-dev.github.io/dtnb/train.callbacks.html.md"""
 
 # %% ../../nbs/05f_train.callbacks.ipynb #08a95fd8
 from __future__ import annotations
-import csv
+import csv, json
 from pathlib import Path
 from .checkpoint import save_checkpoint, checkpoint_path
 from ..core.dist import rank
 
 # %% auto #0
-__all__ = ['Callback', 'CSVLogger', 'TensorBoardLogger', 'EarlyStopping', 'KeepBest', 'Profiler']
+__all__ = ['Callback', 'CSVLogger', 'TensorBoardLogger', 'EarlyStopping', 'KeepBest', 'Profiler', 'trace_rows', 'plot_traces']
 
 # %% ../../nbs/05f_train.callbacks.ipynb #5adb84f2
 class Callback:
@@ -160,3 +160,47 @@ class Profiler(Callback):
         self.table = f"{top}\ncollectives: {self.collective_ms:.2f} ms in {self.steps} steps (rank {r})" + \
                      (f": {each}" if each else '')
         (self.dir / f"rank{r}.txt").write_text(self.table + '\n')
+
+# %% ../../nbs/05f_train.callbacks.ipynb #05a3f5af
+_COLOURS = dict(compute='tab:blue', backward='tab:orange', optimizer='tab:green', collective='tab:red')
+
+def _what(name:str) -> str:
+    "What a trace event is, by its name: 'collective', 'optimizer', 'backward' or 'compute'"
+    if name.startswith(('gloo:', 'nccl:', 'ncclDevKernel', 'ncclKernel')): return 'collective'
+    if name.startswith('Optimizer.'): return 'optimizer'
+    return 'backward' if 'Backward' in name or name.startswith('autograd::') else 'compute'
+
+def trace_rows(path) -> dict:
+    "A Profiler trace's 'steps', its main thread's outermost work and its 'collectives': [(start µs, µs, name)] each"
+    ev = sorted((e for e in json.loads(Path(path).read_text())['traceEvents'] if e.get('ph') == 'X' and e.get('dur')),
+                key=lambda e: (e['ts'], -e['dur']))
+    steps = [e for e in ev if e['name'].startswith('ProfilerStep#')]
+    main, ends, rows = {e['tid'] for e in steps}, {}, dict(steps=steps, main=[], collectives=[])
+    for e in ev:
+        if e in steps or e['ts'] < ends.get(e['tid'], float('-inf')): continue  # inside one kept on its thread
+        ends[e['tid']] = e['ts'] + e['dur']
+        if e['tid'] in main or _what(e['name']) == 'collective':
+            rows['main' if e['tid'] in main else 'collectives'].append(e)
+    return {k: [(e['ts'], e['dur'], e['name']) for e in v] for k, v in rows.items()}
+
+# %% ../../nbs/05f_train.callbacks.ipynb #f30d2fcd
+def plot_traces(dir, ax=None):
+    "The traces a `Profiler` wrote in `dir` on one time axis: per rank, its main thread's work and its collectives"
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    ranks = sorted((int(p.stem[4:]), trace_rows(p)) for p in Path(dir).glob('rank*.json'))
+    t0 = min(s for _, rows in ranks for s, _, _ in rows['steps'])
+    ms = lambda spans: [((s - t0) / 1e3, d / 1e3) for s, d, _ in spans]
+    ax = ax or plt.subplots(figsize=(10, 0.6 + 1.1 * len(ranks)))[1]
+    for i, (r, rows) in enumerate(ranks):
+        for k, step in enumerate(ms(rows['steps'])):
+            ax.broken_barh([step], (-2 * i - 1.45, 1.9), color='0.86' if k % 2 else '0.94', zorder=0)
+        for j, row in enumerate(('main', 'collectives')):
+            for what, colour in _COLOURS.items():
+                ax.broken_barh(ms([e for e in rows[row] if _what(e[2]) == what]), (-2 * i - j - 0.35, 0.7), color=colour)
+    ax.set_yticks([-k for k in range(2 * len(ranks))],
+                  [f"rank {r} {row}" for r, _ in ranks for row in ('main thread', 'collectives')])
+    ax.set_xlabel(f"ms from the first profiled step ({len(ranks[0][1]['steps'])} steps shaded)")
+    ax.legend(handles=[Patch(color=c, label=w) for w, c in _COLOURS.items()], loc='lower center', ncol=4,
+              bbox_to_anchor=(0.5, 1.0), frameon=False)
+    return ax
