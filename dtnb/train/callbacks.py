@@ -197,7 +197,8 @@ def plot_traces(dir, ax=None):
             ax.broken_barh([step], (-2 * i - 1.45, 1.9), color='0.86' if k % 2 else '0.94', zorder=0)
         for j, row in enumerate(('main', 'collectives')):
             for what, colour in _COLOURS.items():
-                ax.broken_barh(ms([e for e in rows[row] if _what(e[2]) == what]), (-2 * i - j - 0.35, 0.7), color=colour)
+                spans = [e for e in rows[row] if _what(e[2]) == what]
+                ax.broken_barh(ms(spans), (-2 * i - j - 0.35, 0.7), color=colour)
     ax.set_yticks([-k for k in range(2 * len(ranks))],
                   [f"rank {r} {row}" for r, _ in ranks for row in ('main thread', 'collectives')])
     ax.set_xlabel(f"ms from the first profiled step ({len(ranks[0][1]['steps'])} steps shaded)")
