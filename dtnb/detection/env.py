@@ -1,4 +1,4 @@
-"""Who started this process, and its place in the job: torchrun, SLURM or MPI.
+"""Who started this process, and its place in the job: torchrun, SLURM, MPI or Ray Train.
 
 Docs: https://dtnb-dev.github.io/dtnb/detection.env.html.md"""
 
