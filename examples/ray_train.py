@@ -2,7 +2,7 @@
 
     pip install 'dtnb[ray]'
     python examples/ray_train.py                  # 2 CPU workers on gloo, on a local Ray started here
-    python examples/ray_train.py --workers 4 --address auto   # on a running Ray cluster
+    python examples/ray_train.py --workers 4 --address auto --storage /shared/runs   # on a running Ray cluster
 
 Ray Train runs `train_func` on every worker with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK,
 MASTER_ADDR and MASTER_PORT set, and the default process group already initialised (gloo on CPU workers). dtnb asks
@@ -47,7 +47,8 @@ def ray_train_func(config):
     with tempfile.TemporaryDirectory() as d:
         rank0 = ray.train.get_context().get_world_rank() == 0
         if rank0: open(os.path.join(d, 'result.json'), 'w').write(json.dumps(out))
-        ray.train.report(dict(loss=out['losses'][-1]), checkpoint=ray.train.Checkpoint.from_directory(d) if rank0 else None)
+        ckpt = ray.train.Checkpoint.from_directory(d) if rank0 else None
+        ray.train.report(dict(loss=out['losses'][-1]), checkpoint=ckpt)
 
 
 def main():
@@ -56,13 +57,15 @@ def main():
     ap.add_argument('--steps', type=int, default=5)
     ap.add_argument('--address', default=None, help="a running Ray cluster ('auto'); default: start a local one")
     ap.add_argument('--temp-dir', default=None, help="Ray's session folder (a local Ray only); default: Ray's own")
+    ap.add_argument('--storage', default=None, help="where Ray keeps the run (shared by the nodes of a cluster); "
+                                                    "default: a temporary folder, removed at the end")
     a = ap.parse_args()
     import ray
     from ray.train import ScalingConfig, RunConfig
     from ray.train.torch import TorchTrainer, TorchConfig
-    local = dict(num_cpus=a.workers, include_dashboard=False, _node_ip_address='127.0.0.1', _temp_dir=a.temp_dir)
-    ray.init(address=a.address, **({} if a.address else local))  # a local Ray: on loopback only
-    storage = tempfile.mkdtemp(prefix='dtnb-ray-')  # Ray keeps the reported checkpoint here (a shared path on a cluster)
+    local = dict(num_cpus=a.workers, include_dashboard=False, _temp_dir=a.temp_dir)  # on this machine's address
+    ray.init(address=a.address, **({} if a.address else local))
+    storage = a.storage or tempfile.mkdtemp(prefix='dtnb-ray-')  # the run, and rank 0's result in its checkpoint
     try:
         trainer = TorchTrainer(ray_train_func, train_loop_config=dict(steps=a.steps),
                                scaling_config=ScalingConfig(num_workers=a.workers, use_gpu=False),
@@ -71,7 +74,7 @@ def main():
             print(open(os.path.join(d, 'result.json')).read(), flush=True)
     finally:
         ray.shutdown()
-        shutil.rmtree(storage, ignore_errors=True)
+        if not a.storage: shutil.rmtree(storage, ignore_errors=True)
 
 
 if __name__ == '__main__':
