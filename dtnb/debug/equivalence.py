@@ -201,6 +201,9 @@ def _stages_state(pipe) -> list:
           for s, m in zip(pipe.stage_indices, pipe.modules) for n, p in m.named_parameters()]
     return ps, _named(b for m in pipe.modules for b in m.named_buffers())
 
+def _gather_stages(pipe) -> list:
+    return [dict(zip(('names', 'bufs'), st)) for st in all_gather_objects(_stages_state(pipe))]
+
 def _with_aliases(d:dict, aliases:dict) -> dict: return {**d, **{a: d[c] for a, c in aliases.items() if c in d}}
 
 def _tied_groups(ref, stage_of) -> list:
@@ -218,8 +221,7 @@ def _pipeline_check(model_fn, plan, ref, strategy, loss_fn, precision, optimizer
     example = tree_map_tensors(lambda t: t[:max(1, count_samples(x) // (2 * n))], x)  # one of 2n microbatches
     pipe = wrap(model_fn(), 'pipeline', loss_fn=loss_fn, example=example, device='cpu')
     opt, order = make_optimizer(pipe, optimizer, lr=lr), ref['order'] + list(ref['aliases'])
-    held = lambda: [dict(zip(('names', 'bufs'), st)) for st in all_gather_objects(_stages_state(pipe))]
-    every = held()
+    every = _gather_stages(pipe)
     stage_of = {n: s for e in every for n, s, _, _ in e['names']}
     params = lambda e: {n: p for x in e for n, _, _, p in x['names']}
     bufs = lambda e: {k: v for x in e for k, v in x['bufs'].items()}
@@ -232,7 +234,7 @@ def _pipeline_check(model_fn, plan, ref, strategy, loss_fn, precision, optimizer
         opt.zero_grad()
         with autocast('cpu', precision):
             loss = (pipe.step(st.batch) if isinstance(st.batch, Mapping) else pipe.step(*st.batch)).item()
-        opt.step(); every = held()  # the gradients stay until the next zero_grad
+        opt.step(); every = _gather_stages(pipe)  # the gradients stay until the next zero_grad
         grads = {n: g for x in every for n, _, g, _ in x['names'] if g is not None}
         rl, rg, rp, rb = ref['steps'][i]
         got = ([(loss, count_samples(st.batch))], grads, params(every), [bufs(every)])
