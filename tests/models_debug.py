@@ -92,3 +92,10 @@ def fsdp_forward_on_rank0():
     loss.backward()
     if dist.get_rank() == 0: model(X)  # validation on rank 0 only
     dist.all_reduce(loss.detach())
+
+
+def pipeline_without_split(model):
+    "`model` in dtnb's traced stages, in a Pipeline put together by hand without split=: no one sums the tied copies"
+    from dtnb.parallel.pipeline import Pipeline, causal_lm_loss, pipeline_stages
+    split, mine, mods = pipeline_stages(model, example=tokens()[0][:2])
+    return Pipeline(mods, mine, split.n_stages, causal_lm_loss)

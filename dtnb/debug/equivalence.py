@@ -15,6 +15,7 @@ from ..core.dist import all_gather_objects, rank_world
 from ..launcher.processes import launch
 from ..parallel.ddp import make_optimizer
 from ..parallel.wrap import wrap, STRATEGIES
+from ..parallel.pipeline import Pipeline
 from ..train.batches import forward_loss, count_samples
 from .divergence import Cause, StrategyCheck, EquivalenceReport, tied_causes, rerun_causes
 
@@ -169,13 +170,10 @@ def _compare_step(step, got, ref, order, tol):
     return row
 
 # %% ../../nbs/09_debug.equivalence.ipynb #56b6fcf8
-def _rank_check(model_fn, plan, ref, strategy, loss_fn, precision, optimizer, lr, seed, tol):
-    "On every rank: train `strategy` step by step; rank 0 returns the table rows and the start-of-run gaps"
+def _rank_check(model, plan, ref, loss_fn, precision, optimizer, lr, tol):
+    "On every rank: train the wrapped `model` step by step; rank 0 returns the table rows and the start-of-run gaps"
     import hashlib
     r, _ = rank_world()
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():  # wrap's BatchNorm warning: the check names that cause itself
-        warnings.simplefilter('ignore'); model = wrap(model_fn(), strategy, device='cpu')
     opt = make_optimizer(model, optimizer, lr=lr)
     rng = all_gather_objects(hashlib.sha1(bytes(torch.get_rng_state().tolist())).hexdigest())
     start_bufs = all_gather_objects(_named(model.named_buffers()))
@@ -190,9 +188,27 @@ def _rank_check(model_fn, plan, ref, strategy, loss_fn, precision, optimizer, lr
     del model, opt
     return (rows, start) if r == 0 else None
 
-def _on_ranks(model_fn, plan, ref, strategies, *args):
-    "Every strategy in one launch"
-    return {s: (_pipeline_check if s == 'pipeline' else _rank_check)(model_fn, plan, ref, s, *args) for s in strategies}
+def _build(model_fn, strategy, plan, loss_fn):
+    "`wrap(model_fn(), strategy)`; for 'pipeline' one stage per rank, traced on a microbatch; or `strategy(model_fn())`"
+    if callable(strategy): return strategy(model_fn())
+    if strategy != 'pipeline':
+        with warnings.catch_warnings():  # wrap's BatchNorm warning: the check names that cause itself
+            warnings.simplefilter('ignore'); return wrap(model_fn(), strategy, device='cpu')
+    x = plan[0].batch['input_ids'] if isinstance(plan[0].batch, Mapping) else plan[0].batch[0]
+    mb = max(1, count_samples(x) // (2 * rank_world()[1]))  # Pipeline's default: 2 microbatches per rank
+    return wrap(model_fn(), 'pipeline', loss_fn=loss_fn, example=tree_map_tensors(lambda t: t[:mb], x), device='cpu')
+
+def _on_ranks(model_fn, plan, ref, strategies, loss_fn, precision, optimizer, lr, seed, tol):
+    "Every strategy in one launch, each from the model built afresh with the same seed"
+    out = {}
+    for s in strategies:
+        torch.manual_seed(seed)
+        model = _build(model_fn, s, plan, loss_fn)
+        check = _pipeline_check if isinstance(model, Pipeline) else _rank_check
+        out[_strategy_name(s)] = check(model, plan, ref, loss_fn, precision, optimizer, lr, tol)
+    return out
+
+def _strategy_name(s) -> str: return s if isinstance(s, str) else getattr(s, '__name__', repr(s))
 
 # %% ../../nbs/09_debug.equivalence.ipynb #0b62c674
 def _stages_state(pipe) -> list:
@@ -212,14 +228,9 @@ def _tied_groups(ref, stage_of) -> list:
     return [[(n, stage_of[n]) for n in g if n in stage_of] for g in groups
             if len({stage_of[n] for n in g if n in stage_of}) > 1]
 
-def _pipeline_check(model_fn, plan, ref, strategy, loss_fn, precision, optimizer, lr, seed, tol):
-    "On every rank: one stage per rank on the whole batch, step by step; rank 0 returns the rows and start-of-run gaps"
-    r, n = rank_world()
-    torch.manual_seed(seed)
-    b0 = plan[0].batch
-    x = b0['input_ids'] if isinstance(b0, Mapping) else b0[0]
-    example = tree_map_tensors(lambda t: t[:max(1, count_samples(x) // (2 * n))], x)  # one of 2n microbatches
-    pipe = wrap(model_fn(), 'pipeline', loss_fn=loss_fn, example=example, device='cpu')
+def _pipeline_check(pipe, plan, ref, loss_fn, precision, optimizer, lr, tol):
+    "On every rank: this rank's stages trained on the whole batch, step by step; rank 0 returns rows and start gaps"
+    r, _ = rank_world()
     opt, order = make_optimizer(pipe, optimizer, lr=lr), ref['order'] + list(ref['aliases'])
     every = _gather_stages(pipe)
     stage_of = {n: s for e in every for n, s, _, _ in e['names']}
@@ -307,10 +318,10 @@ DATA_PARALLEL = ('ddp', 'zero1', 'zero2', 'zero3', 'fsdp')  # the strategies che
 
 def _check_args(strategies, nprocs, steps, precision, loss_fn):
     strategies = [strategies] if isinstance(strategies, str) else list(strategies)
-    if bad := [s for s in strategies if s not in DATA_PARALLEL + ('pipeline',)]:
-        raise ValueError(f"check_equivalence compares data-parallel strategies ({', '.join(DATA_PARALLEL)}) and "
-                         f"'pipeline' with one process; {bad[0]!r} is not one" + (" of them" if bad[0] in STRATEGIES
-                                                                                else " of wrap's strategies"))
+    if bad := [s for s in strategies if not callable(s) and s not in DATA_PARALLEL + ('pipeline',)]:
+        raise ValueError(f"check_equivalence compares data-parallel strategies ({', '.join(DATA_PARALLEL)}), "
+                         f"'pipeline', or your own function (model -> the model to train) with one process; {bad[0]!r} "
+                         "is not one" + (" of them" if bad[0] in STRATEGIES else " of wrap's strategies"))
     if 'pipeline' in strategies and not callable(loss_fn):
         raise ValueError("strategies=['pipeline'] computes the loss on the last stage: pass loss_fn(output, targets) "
                          "(e.g. causal_lm_loss for a Hugging Face causal LM, with batches of (input_ids, labels))")
@@ -326,7 +337,8 @@ def _check_args(strategies, nprocs, steps, precision, loss_fn):
 # %% ../../nbs/09_debug.equivalence.ipynb #1b1c1e55
 def check_equivalence(model_fn,             # builds the model (called once per strategy, seeded, on every rank)
                       data,                 # a DataLoader (its batch_size is the global batch) or one batch
-                      strategies=('ddp',),  # data-parallel strategies of `wrap`, or 'pipeline' (needs loss_fn)
+                      strategies=('ddp',),  # names in `wrap`: data-parallel, or 'pipeline' (needs loss_fn); or
+                                            # functions model -> the wrapped model or a `Pipeline` (your own set-up)
                       nprocs:int=2,         # CPU ranks on gloo
                       steps:int=3,
                       loss_fn=None,         # loss_fn(output, targets); default: the model's .loss, else mse
@@ -337,6 +349,8 @@ def check_equivalence(model_fn,             # builds the model (called once per 
     "Train `model_fn()` step by step under each strategy on CPU ranks and in one process; where and why they differ"
     strategies, precision = _check_args(strategies, nprocs, steps, precision, loss_fn)
     tol = (1e-5 if precision == 'fp32' else 1e-2) if tol is None else tol
+    if len(names := list(map(_strategy_name, strategies))) > len(set(names)): raise ValueError(f"strategies {names}: "
+        "each needs its own name (a function's __name__)")
     plan = plan_steps(data, steps, nprocs)
     if any(not idx for st in plan for idx in st.share_indices):
         raise ValueError(f"a step's batch has fewer samples than nprocs={nprocs}: every rank needs one at least")
@@ -348,6 +362,6 @@ def check_equivalence(model_fn,             # builds the model (called once per 
     for s, (rows, start) in got.items():
         tied, notes = tied_causes(rows, start.get('tied', []), tol)
         causes = (_model_causes(ref, start, s, tol) + _repeat_causes(ref, again, tol)
-                  + (tied if s == 'pipeline' else _data_causes(plan, nprocs)))
+                  + (tied if 'tied' in start else _data_causes(plan, nprocs)))  # a pipeline: every rank, all data
         checks[s] = StrategyCheck.from_rows(s, rows, ref['order'] + list(ref['aliases']), causes, notes)
     return EquivalenceReport(checks, nprocs, tol, precision)
