@@ -35,7 +35,8 @@ def tied_causes(rows, groups, tol) -> tuple[list, list]:
                 f"pipeline: after step {r['step']} the copies differ from each other by {r['tied']:.2e}"
                 + (f" and {off[0]} from one process" if off else '') + ": each stage updates its copy with its own "
                 "stage's part of the gradient", "sum the copies' gradients over the stages before the optimizer step "
-                "(dtnb's apply_pipeline(model, loss_fn, example=...) does it), keep the tied modules in one stage "
+                "(dtnb's apply_pipeline(model, loss_fn, example=...) does it; a Pipeline built by hand from traced "
+                "stages needs split=, which lists the copies), keep the tied modules in one stage "
                 "(split_points=...), or untie them (e.g. tie_word_embeddings=False)")], []
     most = max(r['tied'] for r in rows)
     return [], [f"tied weights split across stages: {names}: one parameter in the model, a copy per stage here; their "
