@@ -272,7 +272,9 @@ def _check_loss(name):
     import torch.nn.functional as F
     from dtnb.reporting.sections import load_spec
     if name is None: return None  # the model's own .loss, else mse (forward_loss)
-    return {'mse': F.mse_loss, 'cross_entropy': F.cross_entropy}.get(name) or load_spec(name, '--loss')
+    from dtnb.parallel.pipeline import causal_lm_loss
+    named = {'mse': F.mse_loss, 'cross_entropy': F.cross_entropy, 'causal_lm': causal_lm_loss}
+    return named.get(name) or load_spec(name, '--loss')
 
 def _add_check(sub):
     c = sub.add_parser('check', help="before the GPU job: does training on N CPU ranks match one process; do the "
@@ -281,9 +283,9 @@ def _add_check(sub):
     c.add_argument('--batch', metavar='MODULE:FN', help="FN() returns one (inputs, targets) batch")
     c.add_argument('--dataset', metavar='MODULE:FN', help="FN() returns your Dataset")
     c.add_argument('--batch-size', type=int, default=8, help="with --dataset: the global batch")
-    c.add_argument('--strategies', nargs='+', default=['ddp'], help="ddp, zero1, zero2, zero3, fsdp")
+    c.add_argument('--strategies', nargs='+', default=['ddp'], help="ddp, zero1, zero2, zero3, fsdp, pipeline")
     c.add_argument('--steps', type=int, default=3); c.add_argument('--nprocs', type=int, default=2)
-    c.add_argument('--loss', help="mse, cross_entropy or MODULE:FN (default: the model's .loss, else mse)")
+    c.add_argument('--loss', help="mse, cross_entropy, causal_lm or MODULE:FN (default: the model's .loss, else mse)")
     c.add_argument('--precision', choices=['fp32', 'bf16-mixed', 'fp16-mixed'])
     c.add_argument('--lr', type=float, default=0.05, help="SGD's learning rate")
     c.add_argument('--tol', type=float, help="relative tolerance (default 1e-5; 1e-2 with autocast)")
