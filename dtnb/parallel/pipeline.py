@@ -119,7 +119,7 @@ class Pipeline:
     def __init__(self, modules:list, stage_indices:list, n_stages:int, loss_fn, schedule:str='1f1b',
                  n_microbatches:int|None=None,  # default: twice the pipeline ranks, at least the number of stages
                  group=None, device=None,       # the pipeline's process group (default: all ranks); this rank's device
-                 split:PipelineSplit|None=None, # how the model was cut (for display)
+                 split:PipelineSplit|None=None, # how it was cut (a traced cut ties shared weights)
                  dp_groups=()):                 # data-parallel groups: the returned loss is averaged over them
         import torch.distributed as dist
         from torch.distributed.pipelining import schedules
