@@ -62,13 +62,16 @@ def _bench(root, d, depth, repeats):
     hashing = getattr(ck, 'file_checksum', None) or getattr(ck, 'file_crc')  # before format 2: file_crc (CRC32)
     t = time.perf_counter(); [hashing(p) for p in files]; r['crc_all'] = time.perf_counter() - t  # one rank, all files
     r['hash_kind'] = getattr(ck, 'CHECKSUM', 'crc32')
-    blocked, committed = [], []
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+    blocked, committed, staging = [], [], []
     for i in range(repeats):
+        barrier(); t = time.perf_counter(); BlockingAsyncStager().stage(sd); staging.append(time.perf_counter() - t)
         barrier(); t = time.perf_counter()
         h = save_checkpoint(checkpoint_path(root / 'async', i), model, opt, step=i, keep=1, async_save=True)
         blocked.append(time.perf_counter() - t)
         h.wait(); committed.append(time.perf_counter() - t)
     r['async_blocked'], r['async_total'] = statistics.median(blocked), statistics.median(committed)
+    r['staging'] = statistics.median(staging)  # DCP's copy of the state to CPU memory, alone
     last = checkpoint_path(root / 'dtnb', repeats - 1)
     r['load_verify'], r['load_noverify'], r['load_ratio'] = pair(lambda i: load_checkpoint(last, model, opt),
                                                                  lambda i: load_checkpoint(last, model, opt, verify=False))
@@ -126,6 +129,7 @@ def main():
     print(f"  save, plain torch.save + fsync on rank 0   {r['torch_save_fsync']:8.3f} s   {mb / r['torch_save_fsync']:7.0f} MiB/s   ratio dtnb/plain {r['save'] / r['torch_save_fsync']:.2f}")
     print(f"  {r['hash_kind']:7} of all files on one rank           {r['crc_all']:8.3f} s   {mb / r['crc_all']:7.0f} MiB/s   ({100 * r['crc_all'] / 2 / r['save']:.0f}% of a save, split over 2 ranks)")
     print(f"  async save: training blocked              {r['async_blocked']:8.3f} s   ({100 * r['async_blocked'] / r['save']:.0f}% of a synchronous save)")
+    print(f"  the copy to CPU alone (DCP's staging)     {r['staging']:8.3f} s")
     print(f"  async save: until committed               {r['async_total']:8.3f} s")
     print(f"  load, verified (sizes + checksums)         {r['load_verify']:8.3f} s")
     print(f"  load, verify=False                         {r['load_noverify']:8.3f} s   verification overhead {r['load_verify'] / r['load_noverify'] - 1:+.0%}")

@@ -153,7 +153,7 @@ class _Sum:
 
 def file_checksum(path, kind:str=CHECKSUM):
     "The checksum of a file: xxh3_64 (hex), or zlib's CRC32 with `kind='crc32'` (the markers of format 1)"
-    s, buf = _Sum(kind), bytearray(1 << 22)
+    s, buf = _Sum(kind), bytearray(1 << 20)  # 1 MiB: hashed while still in the cache
     with open(path, 'rb', buffering=0) as f:
         while n := f.readinto(buf): s.update(memoryview(buf)[:n])
     return s.value()
