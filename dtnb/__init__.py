@@ -16,7 +16,7 @@ _API = '''
     schedule_order bubble_fraction
     Degrees parallelize tp_plan apply_tp data_rank
     estimate_memory recommend measure_memory trace_activations memory_explorer TransformerShape MemoryEstimate
-    layout_candidates step_time
+    layout_candidates step_time step_parts Node
     MemoryPlan MemoryMeasurement
     find_batch_size BatchSize
     save_checkpoint load_checkpoint latest_checkpoint list_checkpoints checkpoint_path resumable
@@ -26,7 +26,7 @@ _API = '''
     profile_loader input_bound tune_loader loader_report SyntheticDataset StepTimer
     bench_matmul bench_memory bench_collectives bench_model bench_scaling bench_all cost_per_experiment BenchResult
     time_fn
-    predict Prediction Target device_spec DeviceSpec
+    predict Prediction Target device_spec DeviceSpec target_node
     report
     set_verbosity get_logger DtnbWarning PerformanceWarning EquivalenceWarning CheckpointWarning UsageWarning
     check_equivalence EquivalenceReport trace_collectives CollectiveTrace

@@ -104,7 +104,7 @@ def _prices(s):
 
 def _predict(args, model):
     "`dtnb plan --predict`: `predict` for a shape, or for --params with --seq-len (tokens per device: batch x seq)"
-    from dtnb.bench.forecast import predict
+    from dtnb.bench.forecast import predict, parse_target
     if args.samples is None and args.tokens is None:
         raise ValueError("--predict needs the run's size: --tokens (e.g. 2e10) or --samples")
     batch = None
@@ -113,8 +113,10 @@ def _predict(args, model):
         batch = args.batch * args.seq_len
     force = args.strategy and (args.strategy + ' + activation checkpointing' * args.activation_checkpointing
                                + ' + offload' * args.offload)
-    r = predict(model, batch, samples=args.samples, tokens=args.tokens, targets=args.gpus.split(','),
-                prices=args.prices, efficiency=args.efficiency, optimizer=args.optimizer, strategy=force or None)
+    gpus = [parse_target(g, args.busbw) for g in args.gpus.split(',')]
+    r = predict(model, batch, samples=args.samples, tokens=args.tokens, targets=gpus,
+                prices=args.prices, efficiency=args.efficiency, optimizer=args.optimizer, strategy=force or None,
+                layouts=args.layouts)
     if args.plot:
         ax = r.plot(); ax.figure.tight_layout(); ax.figure.savefig(args.plot, dpi=120)
         _log.info(f"wrote {args.plot}")
@@ -154,6 +156,8 @@ def _add_plan(sub):
     q.add_argument('--gpus', default='H100x8,A100x8,V100x4', help="targets: NAMExCOUNT[:dtype], comma-separated")
     q.add_argument('--tokens', type=float, help="tokens the run processes"); q.add_argument('--samples', type=float)
     q.add_argument('--prices', type=_prices, help="USD per GPU-hour, e.g. H100=2.5,A100=1.3 (default: dated list)")
+    q.add_argument('--busbw', type=float, help="GB/s per GPU between servers, for the --gpus that span servers "
+                                               "(e.g. 50 for 400 Gb/s)")
     q.add_argument('--efficiency', type=float, help="fraction of the dense peak reached (default 0.4, published MFU)")
     q.add_argument('--plot', metavar='FILE', help="save cost vs time with the Pareto front to FILE (.png)")
     p.set_defaults(func=_plan)
@@ -268,7 +272,9 @@ def _check_loss(name):
     import torch.nn.functional as F
     from dtnb.reporting.sections import load_spec
     if name is None: return None  # the model's own .loss, else mse (forward_loss)
-    return {'mse': F.mse_loss, 'cross_entropy': F.cross_entropy}.get(name) or load_spec(name, '--loss')
+    from dtnb.parallel.pipeline import causal_lm_loss
+    named = {'mse': F.mse_loss, 'cross_entropy': F.cross_entropy, 'causal_lm': causal_lm_loss}
+    return named.get(name) or load_spec(name, '--loss')
 
 def _add_check(sub):
     c = sub.add_parser('check', help="before the GPU job: does training on N CPU ranks match one process; do the "
@@ -277,9 +283,9 @@ def _add_check(sub):
     c.add_argument('--batch', metavar='MODULE:FN', help="FN() returns one (inputs, targets) batch")
     c.add_argument('--dataset', metavar='MODULE:FN', help="FN() returns your Dataset")
     c.add_argument('--batch-size', type=int, default=8, help="with --dataset: the global batch")
-    c.add_argument('--strategies', nargs='+', default=['ddp'], help="ddp, zero1, zero2, zero3, fsdp")
+    c.add_argument('--strategies', nargs='+', default=['ddp'], help="ddp, zero1, zero2, zero3, fsdp, pipeline")
     c.add_argument('--steps', type=int, default=3); c.add_argument('--nprocs', type=int, default=2)
-    c.add_argument('--loss', help="mse, cross_entropy or MODULE:FN (default: the model's .loss, else mse)")
+    c.add_argument('--loss', help="mse, cross_entropy, causal_lm or MODULE:FN (default: the model's .loss, else mse)")
     c.add_argument('--precision', choices=['fp32', 'bf16-mixed', 'fp16-mixed'])
     c.add_argument('--lr', type=float, default=0.05, help="SGD's learning rate")
     c.add_argument('--tol', type=float, help="relative tolerance (default 1e-5; 1e-2 with autocast)")

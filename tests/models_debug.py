@@ -53,3 +53,49 @@ def stuck():
     "Rank 1 never reaches the all_reduce rank 0 waits in"
     if dist.get_rank() == 0: dist.all_reduce(torch.ones(3))
     else: time.sleep(60)
+
+
+class Noise(nn.Module):
+    "Adds noise drawn from a generator seeded with the clock: each run of the same step draws other numbers"
+    def forward(self, x):
+        return x + 1e-3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(time.time_ns()))
+def noisy_mlp() -> nn.Module: return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2), Noise())
+
+
+def gpt2_tied() -> nn.Module:
+    "A tiny Hugging Face GPT-2 whose lm_head is its token embedding (tied), dropout off"
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64, resid_pdrop=0,
+                                      embd_pdrop=0, attn_pdrop=0, use_cache=False, tie_word_embeddings=True))
+def tokens():
+    ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+    return ids, ids
+
+
+def uneven_loader():
+    "Each rank loops over its own shard of 7 samples with no sampler: rank 0 has 4 steps, rank 1 has 3"
+    model = nn.Linear(4, 2)
+    shard = X[:7].tensor_split(dist.get_world_size())[dist.get_rank()]
+    for x in torch.utils.data.DataLoader(shard, batch_size=1):
+        loss = model(x).square().mean()
+        dist.all_reduce(loss.detach())  # the step's loss over the ranks, for the log
+
+
+def fsdp_forward_on_rank0():
+    "An FSDP2 model evaluated on rank 0 only: its forward all-gathers the parameters that rank 1 never sends"
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = fully_shard(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)),
+                        mesh=init_device_mesh('cpu', (dist.get_world_size(),)))
+    loss = model(X).square().mean()
+    loss.backward()
+    if dist.get_rank() == 0: model(X)  # validation on rank 0 only
+    dist.all_reduce(loss.detach())
+
+
+def pipeline_without_split(model):
+    "`model` in dtnb's traced stages, in a Pipeline put together by hand without split=: no one sums the tied copies"
+    from dtnb.parallel.pipeline import Pipeline, causal_lm_loss, pipeline_stages
+    split, mine, mods = pipeline_stages(model, example=tokens()[0][:2])
+    return Pipeline(mods, mine, split.n_stages, causal_lm_loss)

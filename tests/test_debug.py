@@ -13,6 +13,7 @@ from dtnb.debug.collectives import trace_collectives
 from dtnb.debug.equivalence import check_equivalence
 from dtnb.launcher.processes import launch
 from dtnb.parallel.ddp import make_optimizer
+from dtnb.parallel.pipeline import causal_lm_loss
 from dtnb.parallel.wrap import wrap
 import models_debug as md
 
@@ -119,6 +120,50 @@ def test_trace_collectives_names_the_extra_all_reduce_and_equal_on_a_correct_ste
     assert 'rank 1 did not issue it within 1s' in t.error
     t = trace_collectives(md.good_step)
     assert t.equal and [[c.op for c in cs] for cs in t.calls] == [['all_reduce', 'all_gather_object']] * 2, t
+
+
+def test_trace_collectives_names_uneven_loader_lengths_and_an_fsdp_forward_on_one_rank():
+    t = trace_collectives(md.uneven_loader, timeout=10)  # rank 0 has one more step: its 4th all_reduce has no partner
+    (c0, c1), at = t.at(t.first_difference), line_of(md.uneven_loader, 'dist.all_reduce(loss.detach())')
+    assert (t.first_difference, c1, t.returned) == (3, None, [False, True]), t
+    assert c0.line.startswith('dist.all_reduce(loss.detach())') and c0.where == f"{md.__file__}:{at}", c0
+    assert 'rank 1 returned after 3 collectives' in t.error
+    t = trace_collectives(md.fsdp_forward_on_rank0, timeout=10)  # rank 0's forward all-gathers, rank 1 reduces
+    c0, c1 = t.at(t.first_difference)
+    assert c0.op.startswith('all_gather') and c0.line.startswith('if dist.get_rank() == 0: model(X)'), t
+    assert c0.where == f"{md.__file__}:{line_of(md.fsdp_forward_on_rank0, 'if dist.get_rank() == 0')}", c0
+    assert c1.op == 'all_reduce' and c1.line.startswith('dist.all_reduce(loss.detach())'), t
+    assert t.first_difference > 0 and t.at(0)[0].signature() == t.at(0)[1].signature()  # the training step agrees
+
+
+def line_of(fn, start):
+    "The file line number of the first line of `fn` that starts with `start`"
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, l in enumerate(lines) if l.strip().startswith(start))
+
+
+def test_a_forward_that_does_not_repeat_is_named_nondeterministic_with_the_fix():
+    c = check_equivalence(md.noisy_mlp, md.batch(), steps=1)['ddp']
+    assert (c.first_step, [x.name for x in c.likely]) == (1, ['nondeterministic']), c
+    assert "module '3' (Noise)" in c.likely[0].evidence and 'differs from itself at step 1' in c.likely[0].evidence
+    assert 'torch.use_deterministic_algorithms(True)' in c.likely[0].fix
+
+
+def test_gpt2_with_tied_embeddings_under_a_pipeline_equal_and_by_hand_the_tied_copies_part():
+    pytest.importorskip('transformers')
+    import torch.distributed.pipelining  # noqa: F401  (once, before the ranks fork)
+    r = check_equivalence(md.gpt2_tied, md.tokens(), strategies=['pipeline', md.pipeline_without_split],
+                          loss_fn=causal_lm_loss, steps=2)
+    c = r['pipeline']  # dtnb's apply_pipeline sums the copies' gradients
+    assert c.equal and c.causes == [] and max(row['loss'] for row in c.rows) < 1e-5, r
+    assert 'transformer.wte.weight (stage 0) = lm_head.weight (stage 1)' in c.notes[0], c.notes
+    assert [row['tied'] for row in c.rows] == [0., 0.] and 'note: tied weights split across stages' in str(r)
+    c = r['pipeline_without_split']  # the same stages in a Pipeline built by hand, without split=
+    assert (c.first_step, c.first_what, c.first_param, [x.name for x in c.likely]) == (
+        1, 'gradient', 'transformer.wte.weight', ['tied']), r
+    assert 'transformer.wte.weight (stage 0) = lm_head.weight (stage 1) are one parameter' in c.likely[0].evidence
+    assert c.rows[0]['tied'] > 1e-4 and 'apply_pipeline(model, loss_fn, example=...)' in c.likely[0].fix
+    assert c.rows[0]['loss'] < 1e-5  # the forward is right: only the tied weight's gradient is not
 
 
 def test_dtnb_check_cli(capsys):

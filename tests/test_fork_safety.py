@@ -71,11 +71,29 @@ def test_a_store_server_thread_makes_launch_spawn_and_say_why():
         store = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)
         hazards = fork_hazards()
         (two, _), says = launch(train, 'ddp', nprocs=2)
-        print(json.dumps(dict(clean=clean, hazards=hazards, two=two, one=train('single'), says=says)))
-    """)
+        import linecache   # a notebook cell: code with no file, a cached helper, a rank that fails in it
+        name, cell = '<ipython-input-7-0123abcd>', CELL
+        linecache.cache[name] = (len(cell), None, cell.splitlines(True), name)
+        ns = dict(__name__='__main__'); exec(compile(cell, name, 'exec'), ns)
+        try: dtnb.launch(ns['cell_fn'], nprocs=1); failed = ''
+        except Exception as e: failed = str(e)
+        print(json.dumps(dict(clean=clean, hazards=hazards, two=two, one=train('single'), says=says, failed=failed)))
+    """.replace('CELL', repr(CELL)))
     assert out['clean'] == [], out   # a fresh interpreter with torch imported: fork is safe
     assert out['hazards'] and out['says'] and "spawn, not fork" in out['says'][0], out
     assert out['two'] == pytest.approx(out['one'], abs=1e-5), out
+    # the cell's function reached the spawned rank with its cached helper, and the rank's traceback shows its line
+    assert 'ValueError: bad width 3' in out['failed'], out['failed']
+    assert "raise ValueError('bad width %d' % width())  # the cell's own line" in out['failed'], out['failed']
+
+
+CELL = """from dtnb.core.utils import cache
+@cache
+def width(): return 3
+
+def cell_fn():
+    raise ValueError('bad width %d' % width())  # the cell's own line
+"""
 
 
 def test_the_thread_pool_matters_only_for_ranks_of_more_than_one_thread():

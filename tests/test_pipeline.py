@@ -262,6 +262,27 @@ def test_composition_equals_one_process(degrees, kw, n, transformer):
     assert sorted(p) == sorted(params)
     for k in params: assert_close(p[k], params[k], what=k)
 
+def test_recommended_layout_trains_like_one_process():
+    "recommend(..., world_size=4, layouts=True) on devices too small for DDP: parallelize(plan.degrees) is one process"
+    from dataclasses import asdict
+    from dtnb.plan.memory import estimate_memory, TransformerShape
+    from dtnb.plan.recommend import recommend
+    xy = seqs()[:4]  # one rank's share of a step's 16 sequences when 4 ranks split the data
+    kw = dict(batch=xy, loss_fn=mse, optimizer='sgd', precision='fp32')
+    ddp = estimate_memory(TinyTransformer(), degrees=Degrees(dp_replicate=4), **kw)
+    shape = TransformerShape(layers=2, hidden=32, heads=4, seq_len=8, batch=4)  # TinyTransformer's: ranks by step time
+    plan = recommend(TinyTransformer(), **kw, world_size=4, memory=ddp.total, layouts=True, shape=shape)
+    e = plan.estimates[plan.chosen]
+    assert plan.degrees.world_size == 4 and e.total <= plan.budget < ddp.total and plan.degrees.dp_replicate < 4, plan
+    assert plan.reason.startswith('the fastest (predicted)'), plan.reason
+    losses, _, params = ref(TinyTransformer, seqs)
+    ac = e.activation_checkpointing
+    res = launch(train, asdict(plan.degrees), TinyTransformer, seqs, activation_checkpointing=ac, nprocs=4)
+    for l, _ in res: assert_close(l, losses, what='loss')
+    p = {k: v for _, ps in res for k, v in ps.items()}
+    assert sorted(p) == sorted(params)
+    for k in params: assert_close(p[k], params[k], what=k)
+
 def test_degrees_product_error():
     with pytest.raises(LaunchError) as e: launch(train, dict(dp_shard=2, tp=2), nprocs=2, timeout=60)
     assert ("dp_replicate 1 × dp_shard 2 × tp 2 × pp 1 = 4, but the world size is 2: make the product equal 2 "

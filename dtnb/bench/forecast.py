@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from ..core.specs import DeviceSpec, device_spec
 from ..core.utils import PRECISIONS, precision_for, md_table, text_table, fmt_bytes
 from ..plan.memory import TransformerShape
-from ..plan.recommend import recommend
+from ..plan.recommend import recommend, Node, step_parts
 from .collectives import busbw_factor
 from ..parallel.pipeline_schedules import bubble_fraction
 from .throughput import step_flops, default_loss, PRICE_EXAMPLES
 
 # %% auto #0
 __all__ = ['EFFICIENCY', 'EFFICIENCY_SOURCE', 'PRICES', 'step_collectives', 'bus_bytes', 'flops_per_sample', 'Target',
-           'parse_target', 'Prediction', 'predict']
+           'parse_target', 'target_node', 'Prediction', 'predict']
 
 # %% ../../nbs/07c_bench.forecast.ipynb #ed426259
 def step_collectives(strategy:str, # 'single', 'ddp', 'zero1', 'zero2', 'zero3', 'tp' or 'pipeline'
@@ -93,11 +93,14 @@ class Target:
     @property
     def label(self): return f"{self.count}x {self.spec.name} {self.dtype}"
 
-def parse_target(s) -> Target:
+def parse_target(s,
+                 network:float|None=None, # GB/s per device between servers: the busbw of a target spanning servers
+                ) -> Target:
     "A `Target` from 'H100x8', 'A100 x 4:tf32' or 'V100x4:fp32' (a count of 1 when none is given)"
     if isinstance(s, Target): return s
     m = re.fullmatch(r'\s*(.+?)(?:\s*[x×*]\s*(\d+))?\s*(?::\s*(\w+))?\s*', str(s))
-    return Target(m[1], int(m[2] or 1), m[3])
+    n = int(m[2] or 1)
+    return Target(m[1], n, m[3], network if n > device_spec(m[1]).per_node else None)
 
 # %% ../../nbs/07c_bench.forecast.ipynb #95dfbf23
 EFFICIENCY = 0.4
@@ -165,12 +168,35 @@ def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, los
         return row | dict(fits=False)
     e = plan.estimates[chosen]; row['plan'] = e.label
     fps, mb, _ = flops_per_sample(model, batch, e.activation_checkpointing, loss_fn)
-    compute, comm, bubble, off, per_step = _step(t, e, fps, mb, shape, eff, microbatches)
+    return _finish(row, e, *_step(t, e, fps, mb, shape, eff, microbatches), work)
+
+def _finish(row, e, compute, comm, bubble, off, per_step, work):
+    "`row` with the step's parts, the steps the run needs, its hours and cost"
     step = compute + comm + bubble + off
     steps = math.ceil(work / per_step)
     hours = steps * step / 3600
     return row | dict(fits=True, memory=e.total, compute_s=compute, comm_s=comm, bubble_s=bubble, offload_s=off,
                       step_s=step, samples_per_step=per_step, steps=steps, hours=hours, usd=hours * row['usd_hour'])
+
+# %% ../../nbs/07c_bench.forecast.ipynb #2ea0508b
+def target_node(t:Target, efficiency:float=EFFICIENCY) -> Node:
+    "The `Node` of the step time model for target `t`: its server's devices, achieved FLOP/s and links"
+    spec, spans = t.spec, t.count > t.spec.per_node  # spanning servers, the target's busbw is the network's
+    return Node(devices=spec.per_node, flops=spec.tflops[t.dtype] * 1e12 * efficiency,
+                intra=(spec.busbw if spans else t.busbw) * 1e9, inter=(t.busbw if spans else spec.busbw) * 1e9)
+
+def _layout_row(t, shape, work, eff, prices, optimizer):
+    "The prediction for target `t` from `recommend(..., layouts=True)`: the layout, its `step_parts`, hours, cost"
+    node, prec = target_node(t, eff), _trains_with(t.dtype)
+    plan = recommend(shape, world_size=t.count, memory=t.spec.memory, optimizer=optimizer, precision=prec,
+                     layouts=True, node=node)
+    row = dict(target=t.label, devices=t.count, device=t.spec.name, dtype=t.dtype, busbw=t.busbw,
+               usd_hour=_price(prices, t.spec) * t.count, efficiency=eff, plan=plan.label, reason=plan.reason,
+               degrees=plan.degrees and plan.degrees.to_dict())
+    if plan.chosen is None: return row | dict(fits=False)
+    e = plan.estimates[plan.chosen]
+    p = step_parts(shape, e.degrees, prec, node, e.activation_checkpointing)
+    return _finish(row, e, p['compute'], p['tp'] + p['dp'] + p['pp'], p['bubble'], 0.0, shape.batch * t.count, work)
 
 # %% ../../nbs/07c_bench.forecast.ipynb #2a582002
 def _log_axis(ax, axis):
@@ -249,7 +275,9 @@ def predict(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
             efficiency:float|dict|None=None, # fraction of peak reached (per device name as a dict); default 0.4
             optimizer:str='adamw', microbatches:int|None=None, # pipeline micro-batches per step (default 4 x stages)
             strategy:str|None=None, # an option of `recommend`'s table ('zero3', 'pipeline'...) instead of its choice
-            loss_fn=None) -> Prediction:
+            loss_fn=None,
+            layouts:bool=False, # plan `parallelize` layouts (tp × pp × dp_shard × dp_replicate): a TransformerShape
+           ) -> Prediction:
     "Strategy, step time (compute, communication, bubble), wall time and cost of a training run on each target"
     shape = model if isinstance(model, TransformerShape) else None
     if (samples is None) == (tokens is None): raise ValueError("Give the run's size as samples= or as tokens=")
@@ -259,6 +287,9 @@ def predict(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
     if isinstance(model, (int, float)) and samples is not None and not isinstance(model, bool):
         raise ValueError("With a parameter count, give tokens= (a sample is a token there)")
     if not work > 0: raise ValueError(f"The run must process something: got {samples=}, {tokens=}")
+    if layouts and (shape is None or strategy):
+        raise ValueError("layouts=True plans parallelize's layouts with recommend's step time model, which counts "
+                         "tokens and layers: give a TransformerShape" + (", and no strategy=" if strategy else ''))
     eff = efficiency if efficiency is not None else EFFICIENCY
     ts = [parse_target(t) for t in ([targets] if isinstance(targets, (str, Target)) else targets)]
     if not ts: raise ValueError("No targets: give e.g. targets=['H100x8', 'A100x8']")
@@ -266,14 +297,17 @@ def predict(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
     for t in ts:
         e = eff.get(t.spec.name, EFFICIENCY) if isinstance(eff, dict) else eff
         if not 0 < e <= 1: raise ValueError(f"efficiency={e} must be a fraction of peak in (0, 1], e.g. 0.4")
-        rows.append(_row(t, model, batch, shape, work, e, prices, optimizer, microbatches, loss_fn, strategy))
+        rows.append(_layout_row(t, shape, work, e, prices, optimizer) if layouts else
+                    _row(t, model, batch, shape, work, e, prices, optimizer, microbatches, loss_fn, strategy))
     if not any(r['fits'] for r in rows):
         raise ValueError("The model fits on none of the targets: " + '; '.join(f"{r['target']}: {r['reason']}"
                                                                                 for r in rows))
     how = (f"{efficiency:.0%}" if isinstance(efficiency, (int, float)) else 'the given efficiencies' if efficiency
            else f"{EFFICIENCY:.0%} ({EFFICIENCY_SOURCE})")
-    assume = [f"compute at {how} of each format's dense datasheet peak",
-              "communication not overlapped, at the link's datasheet bus bandwidth (nccl-tests busbw, ZeRO volumes)",
+    comm = ("communication not overlapped, by layout dimension (recommend's step_parts): tp inside a server at the "
+            "device table's link, dp and pp across servers at busbw" if layouts else
+            "communication not overlapped, at the link's datasheet bus bandwidth (nccl-tests busbw, ZeRO volumes)")
+    assume = [f"compute at {how} of each format's dense datasheet peak", comm,
               "prices: " + ('given' if prices is not None else f"{PRICES['unit']}, {PRICES['date']}, {PRICES['note']}")]
     what = f"{tokens:.3g} tokens" if tokens is not None else f"{samples:.3g} samples"
     return Prediction(rows, what, assume)

@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/core.utils.html.md"""
 
 # %% ../../nbs/00_core.utils.ipynb #52bfd99f
 from __future__ import annotations
-import os, re, sys, math, time, contextlib
+import os, re, sys, math, time, functools, contextlib
 from typing import NamedTuple
 from collections.abc import Mapping
 import torch
@@ -14,9 +14,10 @@ from torch.utils import _pytree as pytree
 
 # %% auto #0
 __all__ = ['DTYPES', 'PRECISIONS', 'DEFAULT_PRECISION', 'md_table', 'text_table', 'fmt_bytes', 'parse_size', 'percentile',
-           'in_notebook', 'progress_bar', 'StepProgress', 'tree_map_tensors', 'tensors', 'to_device', 'cast_inputs',
-           'cpu_pinned', 'accelerators', 'accelerator_type', 'default_device', 'synchronize', 'placement', 'dtype_name',
-           'as_dtype', 'Precision', 'check_precision', 'precision_for', 'autocast', 'shard_numel']
+           'cache', 'in_notebook', 'progress_bar', 'StepProgress', 'tree_map_tensors', 'tensors', 'to_device',
+           'cast_inputs', 'cpu_pinned', 'accelerators', 'accelerator_type', 'default_device', 'synchronize',
+           'placement', 'dtype_name', 'as_dtype', 'Precision', 'check_precision', 'precision_for', 'autocast',
+           'shard_numel']
 
 # %% ../../nbs/00_core.utils.ipynb #2c24aabb
 def md_table(header, rows) -> str:
@@ -63,6 +64,16 @@ def percentile(xs, q:float) -> float:
     s = sorted(xs); k = (len(s) - 1) * q / 100
     lo = math.floor(k); hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+# %% ../../nbs/00_core.utils.ipynb #576acf1b
+def cache(fn):
+    "`functools.cache` as a plain function: cloudpickle carries it by value to spawned ranks when a notebook defines it"
+    memo = {}
+    @functools.wraps(fn)
+    def cached(*args):
+        if args not in memo: memo[args] = fn(*args)
+        return memo[args]
+    return cached
 
 # %% ../../nbs/00_core.utils.ipynb #842ab41d
 def in_notebook() -> bool:

@@ -7,18 +7,20 @@ Docs: https://dtnb-dev.github.io/dtnb/debug.equivalence.html.md"""
 # %% ../../nbs/09_debug.equivalence.ipynb #90c2622b
 from __future__ import annotations
 import contextlib, dataclasses, math, warnings
+from collections.abc import Mapping
 import torch
 from torch import nn
-from ..core.utils import autocast, check_precision, md_table, text_table, tree_map_tensors
+from ..core.utils import autocast, check_precision, tree_map_tensors, tensors
 from ..core.dist import all_gather_objects, rank_world
 from ..launcher.processes import launch
 from ..parallel.ddp import make_optimizer
 from ..parallel.wrap import wrap, STRATEGIES
+from ..parallel.pipeline import Pipeline
 from ..train.batches import forward_loss, count_samples
+from .divergence import Cause, StrategyCheck, EquivalenceReport, tied_causes, rerun_causes
 
 # %% auto #0
-__all__ = ['DATA_PARALLEL', 'StepData', 'plan_steps', 'ForwardProbe', 'reference_run', 'Cause', 'StrategyCheck',
-           'EquivalenceReport', 'check_equivalence']
+__all__ = ['DATA_PARALLEL', 'StepData', 'plan_steps', 'ForwardProbe', 'reference_run', 'check_equivalence']
 
 # %% ../../nbs/09_debug.equivalence.ipynb #362cbbac
 @dataclasses.dataclass
@@ -77,15 +79,18 @@ def _train_step(model, opt, batch, loss_fn, precision):
     return loss.item(), grads, _named(model.named_parameters()), _named(model.named_buffers())
 
 # %% ../../nbs/09_debug.equivalence.ipynb #dcb806a8
+def _checksums(x) -> list: return [t.detach().double().sum().item() for t in tensors(x) if t.is_floating_point()]
+
 class ForwardProbe:
     "Hooks on every module: which draw random numbers and which change their own buffers during a forward"
     def __init__(self, model:nn.Module):
         self.names = {m: n for n, m in model.named_modules()}
-        self.drew, self.changed, self.hooks = set(), set(), []
+        self.drew, self.changed, self.hooks, self.io = set(), set(), [], {}
     def _pre(self, m, *_): m._dtnb_probe = torch.get_rng_state(), {n: b.clone() for n, b in m._buffers.items()
                                                                      if b is not None}
-    def _post(self, m, *_):
+    def _post(self, m, args, out):
         rng, bufs = m.__dict__.pop('_dtnb_probe')
+        self.io.setdefault(self.names[m], (_checksums(args), _checksums(out)))
         if not torch.equal(rng, torch.get_rng_state()): self.drew.add(self.names[m])
         if any(not torch.equal(b, m._buffers[n]) for n, b in bufs.items()): self.changed.add(self.names[m])
     def __enter__(self):
@@ -96,8 +101,14 @@ class ForwardProbe:
     @property
     def random(self) -> list[str]:
         "The innermost modules that drew random numbers (a parent counts only when no child of it drew)"
-        inner = lambda n: not any(o != n and (n == '' or o.startswith(n + '.')) for o in self.drew)
-        return [self._say(n) for n in sorted(self.drew) if inner(n)]
+        return self._innermost(self.drew)
+    def unstable(self, io:dict) -> list[str]:
+        "The innermost modules whose output differs from `io`'s (another run's `.io`) for the same input"
+        return self._innermost({n for n, (i, o) in self.io.items() if io.get(n, (i, o))[0] == i
+                                and io.get(n, (i, o))[1] != o})
+    def _innermost(self, names):
+        inner = lambda n: not any(o != n and (n == '' or o.startswith(n + '.')) for o in names)
+        return [self._say(n) for n in sorted(names) if inner(n)]
     @property
     def stats(self) -> list[str]:
         "The modules that changed their own buffers (running statistics)"
@@ -107,8 +118,16 @@ class ForwardProbe:
         return f"module {n!r} ({type(m).__name__})" if n else f"the model ({type(m).__name__})"
 
 # %% ../../nbs/09_debug.equivalence.ipynb #d48ac1b0
+def _aliases(model) -> dict:
+    "{other name: the name named_parameters gives} of each parameter the model holds under several (tied weights)"
+    first, out = {}, {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if (c := first.setdefault(id(p), n)) != n: out[n] = c
+    return out
+
 def reference_run(model_fn, plan:list[StepData], loss_fn=None, precision=None, optimizer=torch.optim.SGD,
-                  lr:float=0.05, seed:int=0) -> dict:
+                  lr:float=0.05, seed:int=0,
+                  against:dict|None=None) -> dict: # a first run's `io`: name the modules whose outputs differ from it
     "Train `model_fn()` on each step's whole batch in this process: losses, gradients, parameters, buffers, probes"
     torch.manual_seed(seed)
     model = model_fn()
@@ -117,8 +136,10 @@ def reference_run(model_fn, plan:list[StepData], loss_fn=None, precision=None, o
     for i, st in enumerate(plan):
         with ForwardProbe(model) if i == 0 else contextlib.nullcontext() as probe:
             steps.append(_train_step(model, opt, st.batch, loss_fn, precision))
-        if i == 0: found = dict(random=probe.random, stats=probe.stats)
-    return dict(start=start, steps=steps, order=[n for n, _ in model.named_parameters()], **found)
+        if i == 0: found = dict(random=probe.random, stats=probe.stats, io=probe.io,
+                                unstable=probe.unstable(against or {}))
+    return dict(start=start, steps=steps, order=[n for n, _ in model.named_parameters()], aliases=_aliases(model),
+                seed=seed, **found)
 
 # %% ../../nbs/09_debug.equivalence.ipynb #6e6f3bb5
 def _gap(a:dict, b:dict, order) -> dict:
@@ -149,13 +170,10 @@ def _compare_step(step, got, ref, order, tol):
     return row
 
 # %% ../../nbs/09_debug.equivalence.ipynb #56b6fcf8
-def _rank_check(model_fn, plan, ref, strategy, loss_fn, precision, optimizer, lr, seed, tol):
-    "On every rank: train `strategy` step by step; rank 0 returns the table rows and the start-of-run gaps"
+def _rank_check(model, plan, ref, loss_fn, precision, optimizer, lr, tol):
+    "On every rank: train the wrapped `model` step by step; rank 0 returns the table rows and the start-of-run gaps"
     import hashlib
     r, _ = rank_world()
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():  # wrap's BatchNorm warning: the check names that cause itself
-        warnings.simplefilter('ignore'); model = wrap(model_fn(), strategy, device='cpu')
     opt = make_optimizer(model, optimizer, lr=lr)
     rng = all_gather_objects(hashlib.sha1(bytes(torch.get_rng_state().tolist())).hexdigest())
     start_bufs = all_gather_objects(_named(model.named_buffers()))
@@ -170,19 +188,74 @@ def _rank_check(model_fn, plan, ref, strategy, loss_fn, precision, optimizer, lr
     del model, opt
     return (rows, start) if r == 0 else None
 
-def _on_ranks(model_fn, plan, ref, strategies, *args):
-    "Every strategy in one launch"
-    return {s: _rank_check(model_fn, plan, ref, s, *args) for s in strategies}
+def _build(model_fn, strategy, plan, loss_fn):
+    "`wrap(model_fn(), strategy)`; for 'pipeline' one stage per rank, traced on a microbatch; or `strategy(model_fn())`"
+    if callable(strategy): return strategy(model_fn())
+    if strategy != 'pipeline':
+        with warnings.catch_warnings():  # wrap's BatchNorm warning: the check names that cause itself
+            warnings.simplefilter('ignore'); return wrap(model_fn(), strategy, device='cpu')
+    x = plan[0].batch['input_ids'] if isinstance(plan[0].batch, Mapping) else plan[0].batch[0]
+    mb = max(1, count_samples(x) // (2 * rank_world()[1]))  # Pipeline's default: 2 microbatches per rank
+    return wrap(model_fn(), 'pipeline', loss_fn=loss_fn, example=tree_map_tensors(lambda t: t[:mb], x), device='cpu')
 
-# %% ../../nbs/09_debug.equivalence.ipynb #06e4c138
-@dataclasses.dataclass
-class Cause:
-    "A reason a strategy differs from one process: the evidence found in the model and the run, and the fix"
-    name: str      # 'batchnorm', 'rng', 'padding', 'mean_of_means', 'buffers', 'init'
-    step: int      # the first step it acts on
-    evidence: str
-    fix: str
-    def __str__(self): return f"{self.name} (from step {self.step}): {self.evidence}\n    fix: {self.fix}"
+def _on_ranks(model_fn, plan, ref, strategies, loss_fn, precision, optimizer, lr, seed, tol):
+    "Every strategy in one launch, each from the model built afresh with the same seed"
+    out = {}
+    for s in strategies:
+        torch.manual_seed(seed)
+        model = _build(model_fn, s, plan, loss_fn)
+        check = _pipeline_check if isinstance(model, Pipeline) else _rank_check
+        out[_strategy_name(s)] = check(model, plan, ref, loss_fn, precision, optimizer, lr, tol)
+    return out
+
+def _strategy_name(s) -> str: return s if isinstance(s, str) else getattr(s, '__name__', repr(s))
+
+# %% ../../nbs/09_debug.equivalence.ipynb #0b62c674
+def _stages_state(pipe) -> list:
+    "[(name, stage, gradient, parameter)] of this rank's stages, and {name: buffer}"
+    ps = [(n, s, None if p.grad is None else _full(p.grad).detach().float().clone(), _full(p).detach().float().clone())
+          for s, m in zip(pipe.stage_indices, pipe.modules) for n, p in m.named_parameters()]
+    return ps, _named(b for m in pipe.modules for b in m.named_buffers())
+
+def _gather_stages(pipe) -> list:
+    return [dict(zip(('names', 'bufs'), st)) for st in all_gather_objects(_stages_state(pipe))]
+
+def _with_aliases(d:dict, aliases:dict) -> dict: return {**d, **{a: d[c] for a, c in aliases.items() if c in d}}
+
+def _tied_groups(ref, stage_of) -> list:
+    "[[(name, stage), ...], ...]: each parameter of the model held under names that live in different stages"
+    groups = [[c] + [a for a, k in ref['aliases'].items() if k == c] for c in dict.fromkeys(ref['aliases'].values())]
+    return [[(n, stage_of[n]) for n in g if n in stage_of] for g in groups
+            if len({stage_of[n] for n in g if n in stage_of}) > 1]
+
+def _pipeline_check(pipe, plan, ref, loss_fn, precision, optimizer, lr, tol):
+    "On every rank: this rank's stages trained on the whole batch, step by step; rank 0 returns rows and start gaps"
+    r, _ = rank_world()
+    opt, order = make_optimizer(pipe, optimizer, lr=lr), ref['order'] + list(ref['aliases'])
+    every = _gather_stages(pipe)
+    stage_of = {n: s for e in every for n, s, _, _ in e['names']}
+    params = lambda e: {n: p for x in e for n, _, _, p in x['names']}
+    bufs = lambda e: {k: v for x in e for k, v in x['bufs'].items()}
+    tied = _tied_groups(ref, stage_of)
+    start = dict(params=_worst(_gap(params(every), _with_aliases(ref['start']['params'], ref['aliases']), order)),
+                 buffers=_worst(_gap(bufs(every), ref['start']['buffers'], list(ref['start']['buffers']))),
+                 same_rng=True, tied=tied)
+    rows = []
+    for i, st in enumerate(plan):
+        opt.zero_grad()
+        with autocast('cpu', precision):
+            loss = (pipe.step(st.batch) if isinstance(st.batch, Mapping) else pipe.step(*st.batch)).item()
+        opt.step(); every = _gather_stages(pipe)  # the gradients stay until the next zero_grad
+        grads = {n: g for x in every for n, _, g, _ in x['names'] if g is not None}
+        rl, rg, rp, rb = ref['steps'][i]
+        got = ([(loss, count_samples(st.batch))], grads, params(every), [bufs(every)])
+        if r == 0:
+            rows.append(_compare_step(i + 1, got, (rl, *(_with_aliases(d, ref['aliases']) for d in (rg, rp)), rb),
+                                      order, tol))
+            rows[-1]['tied'] = max(((got[2][k] - got[2][g[0][0]]).abs().max().item() for g in tied for k, _ in g[1:]),
+                                   default=0.)  # between the stages' copies of one parameter
+    del pipe, opt
+    return (rows, start) if r == 0 else None
 
 # %% ../../nbs/09_debug.equivalence.ipynb #30fadaa2
 def _data_causes(plan, nprocs) -> list[Cause]:
@@ -233,87 +306,25 @@ def _model_causes(ref, start, strategy, tol) -> list[Cause]:
             "on every rank: seed before building it, or load the same weights"))
     return out
 
-# %% ../../nbs/09_debug.equivalence.ipynb #ed704e10
-@dataclasses.dataclass
-class StrategyCheck:
-    "One strategy beside one process: the table per step, the first divergence, and its likely causes"
-    strategy: str
-    rows: list            # per step: loss, grad, param, buffers gaps (largest |difference|), samples per rank
-    first_step: int|None  # the first step beyond the tolerance (None: equal)
-    first_param: str|None # the first parameter (model order) beyond it at that step
-    first_what: str|None  # 'loss', 'gradient' or 'parameter'
-    causes: list          # every Cause with evidence
-    @property
-    def equal(self) -> bool: return self.first_step is None
-    @property
-    def likely(self) -> list:
-        "The causes that act from the first diverging step (else every cause acting before it)"
-        if self.equal: return []
-        return ([c for c in self.causes if c.step == self.first_step]
-                or [c for c in self.causes if c.step <= self.first_step])
-
-def _first(rows, order):
-    "(step, parameter, what) of the first row beyond the tolerance"
-    for r in rows:
-        b = r['beyond']
-        if b['loss'] or b['grad'] or b['param']:
-            what = 'loss' if b['loss'] else 'gradient' if b['grad'] else 'parameter'
-            names = b['grad'] or b['param']
-            return r['step'], min(names, key=order.index) if names else None, what
-    return None, None, None
-
-# %% ../../nbs/09_debug.equivalence.ipynb #bb8c8d9e
-def _fmt(v): return f"{v:.2e}"
-
-def _table_rows(rows):
-    return [(r['step'], _fmt(r['loss']), f"{_fmt(r['grad'])} {r['grad_at'] or ''}".strip(),
-             f"{_fmt(r['param'])} {r['param_at'] or ''}".strip(), _fmt(r['buffers']),
-             '+'.join(map(str, r['samples']))) for r in rows]
-
-_HEADER = ('step', 'loss Δ', 'grad Δ (largest at)', 'param Δ (largest at)', 'buffers Δ', 'samples per rank')
-
-def _verdict(c:StrategyCheck, tol) -> str:
-    if c.equal: return f"{c.strategy}: equal to one process at every step (tolerance {tol:g})"
-    at = f"; first parameter beyond it: {c.first_param}" if c.first_param else ''
-    why = '; '.join(x.name for x in c.likely) or 'none of the known causes (a non-deterministic op?)'
-    return (f"{c.strategy}: differs from one process from step {c.first_step} ({c.first_what} beyond tolerance "
-            f"{tol:g}{at}); likely cause: {why}")
-
-# %% ../../nbs/09_debug.equivalence.ipynb #7bc49431
-@dataclasses.dataclass
-class EquivalenceReport:
-    "`check_equivalence`'s answer: each strategy beside one process, step by step, with causes and fixes"
-    checks: dict       # strategy: StrategyCheck
-    nprocs: int
-    tol: float
-    precision: str
-    @property
-    def equal(self) -> bool: return all(c.equal for c in self.checks.values())
-    def __getitem__(self, strategy): return self.checks[strategy]
-    def _parts(self, table):
-        for c in self.checks.values():
-            yield _verdict(c, self.tol), table(_HEADER, _table_rows(c.rows)), [str(x) for x in c.likely]
-    def __str__(self):
-        head = f"check_equivalence: {self.nprocs} CPU ranks vs one process, {self.precision}"
-        return '\n\n'.join([head] + [f"{v}\n{t}" + ''.join(f"\nlikely cause: {x}" for x in why)
-                                     for v, t, why in self._parts(text_table)])
-    def _repr_markdown_(self):
-        return '\n\n'.join(f"**{v}**\n\n{t}" + ''.join(f"\n\n- {x}".replace('\n    fix:', '<br>fix:') for x in why)
-                           for v, t, why in self._parts(md_table))
-    def to_dict(self) -> dict:
-        return dict(equal=self.equal, nprocs=self.nprocs, tol=self.tol, precision=self.precision,
-                    checks={s: dict(dataclasses.asdict(c), equal=c.equal, likely=[x.name for x in c.likely])
-                            for s, c in self.checks.items()})
+# %% ../../nbs/09_debug.equivalence.ipynb #15728a30
+def _repeat_causes(ref, again, tol) -> list[Cause]:
+    "One process trained twice from one seed (`ref`, `again`), compared step by step: where it differs from itself"
+    rows = [_compare_step(i, ([(b[0], 1)], b[1], b[2], [b[3]]), a, ref['order'], tol)
+            for i, (a, b) in enumerate(zip(ref['steps'], again['steps']), 1)]
+    return rerun_causes(rows, again['unstable'], ref['seed'])
 
 # %% ../../nbs/09_debug.equivalence.ipynb #b839e42c
-DATA_PARALLEL = ('ddp', 'zero1', 'zero2', 'zero3', 'fsdp')  # the strategies check_equivalence compares
+DATA_PARALLEL = ('ddp', 'zero1', 'zero2', 'zero3', 'fsdp')  # the strategies check_equivalence compares, and 'pipeline'
 
-def _check_args(strategies, nprocs, steps, precision):
+def _check_args(strategies, nprocs, steps, precision, loss_fn):
     strategies = [strategies] if isinstance(strategies, str) else list(strategies)
-    if bad := [s for s in strategies if s not in DATA_PARALLEL]:
-        raise ValueError(f"check_equivalence compares data-parallel strategies ({', '.join(DATA_PARALLEL)}) with "
-                         f"one process; {bad[0]!r} is not one" + (" of them" if bad[0] in STRATEGIES else
-                                                                 " of wrap's strategies"))
+    if bad := [s for s in strategies if not callable(s) and s not in DATA_PARALLEL + ('pipeline',)]:
+        raise ValueError(f"check_equivalence compares data-parallel strategies ({', '.join(DATA_PARALLEL)}), "
+                         f"'pipeline', or your own function (model -> the model to train) with one process; {bad[0]!r} "
+                         "is not one" + (" of them" if bad[0] in STRATEGIES else " of wrap's strategies"))
+    if 'pipeline' in strategies and not callable(loss_fn):
+        raise ValueError("strategies=['pipeline'] computes the loss on the last stage: pass loss_fn(output, targets) "
+                         "(e.g. causal_lm_loss for a Hugging Face causal LM, with batches of (input_ids, labels))")
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 2:
         raise ValueError(f"nprocs={nprocs!r}: a comparison with one process needs 2 ranks or more")
     if steps < 1: raise ValueError(f"steps={steps}: train at least one step")
@@ -326,7 +337,8 @@ def _check_args(strategies, nprocs, steps, precision):
 # %% ../../nbs/09_debug.equivalence.ipynb #1b1c1e55
 def check_equivalence(model_fn,             # builds the model (called once per strategy, seeded, on every rank)
                       data,                 # a DataLoader (its batch_size is the global batch) or one batch
-                      strategies=('ddp',),  # data-parallel strategies of `wrap`
+                      strategies=('ddp',),  # names in `wrap`: data-parallel, or 'pipeline' (needs loss_fn); or
+                                            # functions model -> the wrapped model or a `Pipeline` (your own set-up)
                       nprocs:int=2,         # CPU ranks on gloo
                       steps:int=3,
                       loss_fn=None,         # loss_fn(output, targets); default: the model's .loss, else mse
@@ -335,16 +347,21 @@ def check_equivalence(model_fn,             # builds the model (called once per 
                       tol:float|None=None,  # relative to each tensor's scale; default 1e-5 (fp32), 1e-2 (autocast)
                       timeout:float=300) -> EquivalenceReport:
     "Train `model_fn()` step by step under each strategy on CPU ranks and in one process; where and why they differ"
-    strategies, precision = _check_args(strategies, nprocs, steps, precision)
+    strategies, precision = _check_args(strategies, nprocs, steps, precision, loss_fn)
     tol = (1e-5 if precision == 'fp32' else 1e-2) if tol is None else tol
+    if len(names := list(map(_strategy_name, strategies))) > len(set(names)): raise ValueError(f"strategies {names}: "
+        "each needs its own name (a function's __name__)")
     plan = plan_steps(data, steps, nprocs)
     if any(not idx for st in plan for idx in st.share_indices):
         raise ValueError(f"a step's batch has fewer samples than nprocs={nprocs}: every rank needs one at least")
     ref = reference_run(model_fn, plan, loss_fn, precision, optimizer, lr, seed)
+    again = reference_run(model_fn, plan, loss_fn, precision, optimizer, lr, seed, against=ref['io'])
     got = launch(_on_ranks, model_fn, plan, ref, strategies, loss_fn, precision, optimizer, lr, seed, tol,
                  nprocs=nprocs, device='cpu', timeout=timeout)[0]
     checks = {}
     for s, (rows, start) in got.items():
-        causes = _model_causes(ref, start, s, tol) + _data_causes(plan, nprocs)
-        checks[s] = StrategyCheck(s, rows, *_first(rows, ref['order']), causes)
+        tied, notes = tied_causes(rows, start.get('tied', []), tol)
+        causes = (_model_causes(ref, start, s, tol) + _repeat_causes(ref, again, tol)
+                  + (tied if 'tied' in start else _data_causes(plan, nprocs)))  # a pipeline: every rank, all data
+        checks[s] = StrategyCheck.from_rows(s, rows, ref['order'] + list(ref['aliases']), causes, notes)
     return EquivalenceReport(checks, nprocs, tol, precision)

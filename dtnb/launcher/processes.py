@@ -32,17 +32,23 @@ def default_backend() -> str:
     return {'cuda': 'nccl', 'xpu': 'xccl'}.get(accelerators()[0], 'gloo')
 
 # %% ../../nbs/02a_launcher.processes.ipynb #cccac57c
+_NEEDS = {'nccl': 'cuda', 'xccl': 'xpu'}  # backends that run on one kind of device only
+
 def check_backend(backend:str|None) -> str:
-    "`backend`, or the default one, after checking this torch build has it"
+    "`backend`, or the default one, after checking this torch build has it and this machine has its devices"
     import torch.distributed as dist
     b = default_backend() if backend is None else backend
     if b not in BACKENDS:
         known = ', '.join(f"{k} ({v})" for k, v in BACKENDS.items())
         raise ValueError(f"Unknown backend {b!r}: choose one of " + known)
-    if not getattr(dist, f'is_{b}_available', lambda: False)():
-        have = [k for k in BACKENDS if getattr(dist, f'is_{k}_available', lambda: False)()]
-        raise ValueError(f"Backend {b!r} is not available in this torch build; "
-                         f"available here: {', '.join(have) or 'none'}")
+    built = lambda k: getattr(dist, f'is_{k}_available', lambda: False)()
+    acc = accelerators(pin=False)[0]
+    runs = lambda k: k not in _NEEDS or _NEEDS[k] == acc
+    usable = ', '.join(k for k in BACKENDS if built(k) and runs(k)) or 'none'
+    if not built(b): raise ValueError(f"Backend {b!r} is not available in this torch build; usable here: {usable}")
+    if not runs(b):  # PyPI's CUDA build has nccl, with or without a GPU
+        raise ValueError(f"Backend {b!r} runs on {_NEEDS[b]} devices, and torch sees none on this machine; "
+                         f"usable here: {usable}")
     return b
 
 # %% ../../nbs/02a_launcher.processes.ipynb #7815ac65
@@ -164,7 +170,7 @@ def _dump(obj, path):
 # %% ../../nbs/02a_launcher.processes.ipynb #cd8039be
 def _rank_main(rank, nprocs, payload, tmp, env, threads, out_conn, backend, pg_timeout):
     "Entry point of one rank started by `launch`"
-    import faulthandler, pickle
+    import faulthandler, pickle, linecache
     code = 1
     try:
         os.setpgid(0, 0)  # own process group: the launcher can stop this rank with all its children
@@ -174,7 +180,8 @@ def _rank_main(rank, nprocs, payload, tmp, env, threads, out_conn, backend, pg_t
         os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
         import torch
         torch.set_num_threads(threads)
-        fn, args, kwargs = pickle.loads(payload) if isinstance(payload, bytes) else payload
+        fn, args, kwargs, lines = pickle.loads(payload) if isinstance(payload, bytes) else payload
+        linecache.cache.update(lines)  # the parent's notebook cells: tracebacks and traces show their lines
         init_distributed(backend, timeout=pg_timeout)
         import torch.distributed as dist
         if dist.get_world_size() != nprocs:  # never train alone while believing we are distributed
@@ -288,11 +295,35 @@ def cpu_oversubscription(nprocs, threads, cores) -> str|None:
     return None
 
 # %% ../../nbs/02a_launcher.processes.ipynb #bd4e4115
+def _cell_lines(limit=16 * 2**20) -> dict:
+    "linecache's entries for code that has no file (notebook cells): a spawned rank cannot read them otherwise"
+    import linecache
+    out, size = {}, 0
+    for name, entry in list(linecache.cache.items()):
+        if len(entry) != 4 or os.path.exists(name): continue  # lazy entries and real files: the rank reads those
+        size += sum(map(len, entry[2]))
+        if size > limit: break
+        out[name] = entry
+    return out
+
+def _by_value(obj) -> bytes:
+    "cloudpickle's bytes of `obj`, code keeping its file name (cloudpickle writes '<dynamic-code>'), so that a spawned "
+    "rank's tracebacks and traces name the notebook cell's line"
+    import io, types, cloudpickle
+    code_reduce = getattr(cloudpickle.cloudpickle, '_code_reduce', None)  # private: without it, lines are lost only
+    class Pickler(cloudpickle.Pickler):
+        def reducer_override(self, obj):
+            if code_reduce is None or not isinstance(obj, types.CodeType): return super().reducer_override(obj)
+            new, args = code_reduce(obj)
+            return new, tuple(obj.co_filename if isinstance(a, str) and a == '<dynamic-code>' else a for a in args)
+    buf = io.BytesIO(); Pickler(buf).dump(obj)
+    return buf.getvalue()
+
 def _start(fn, args, kwargs, nprocs, method, threads, backend, port, env, tmp, pg_timeout):
     "Start the rank processes; returns (processes, {read fd: rank})"
     import pickle, cloudpickle
     ctx = mp.get_context(method)
-    payload = (fn, args, kwargs) if method == 'fork' else cloudpickle.dumps((fn, args, kwargs))
+    payload = (fn, args, kwargs, {}) if method == 'fork' else _by_value((fn, args, kwargs, _cell_lines()))
     base = dict(WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK='0', DTNB_LAUNCH='1', **(env or {}))
     if port is None: base['DTNB_STORE'] = os.path.join(tmp, 'store')
     else: base.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))

@@ -10,7 +10,7 @@ import time, functools
 from collections.abc import Mapping
 import torch
 from torch import nn
-from ..core.utils import synchronize
+from ..core.utils import synchronize, cache
 from ..core.dist import require_group, broadcast_from_rank0, current_device
 from .pipeline_split import PipelineSplit, split_model, stage_module, chain_problem, trace_stages, output_logits
 from .pipeline_schedules import SCHEDULES, schedule_name, schedule_order, stage_ranks, PipelineTimeline
@@ -19,7 +19,7 @@ from .pipeline_schedules import SCHEDULES, schedule_name, schedule_order, stage_
 __all__ = ['step_batch', 'causal_lm_loss', 'Pipeline', 'pipeline_stages', 'apply_pipeline']
 
 # %% ../../nbs/03d_parallel.pipeline.ipynb #eae87eb5
-@functools.cache
+@cache  # core.utils: unlike functools.cache, it travels to spawned ranks
 def _timed_stage_class(base):
     "torch's stage class `base`, recording (stage, kind, microbatch, start, end) of each action while `events` is set"
     class TimedStage(base):
@@ -119,7 +119,7 @@ class Pipeline:
     def __init__(self, modules:list, stage_indices:list, n_stages:int, loss_fn, schedule:str='1f1b',
                  n_microbatches:int|None=None,  # default: twice the pipeline ranks, at least the number of stages
                  group=None, device=None,       # the pipeline's process group (default: all ranks); this rank's device
-                 split:PipelineSplit|None=None, # how the model was cut (for display)
+                 split:PipelineSplit|None=None, # how it was cut (a traced cut ties shared weights)
                  dp_groups=()):                 # data-parallel groups: the returned loss is averaged over them
         import torch.distributed as dist
         from torch.distributed.pipelining import schedules

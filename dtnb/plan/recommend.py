@@ -16,7 +16,7 @@ from .memory import tp_linears
 from ..parallel.tensor import Degrees
 
 # %% auto #0
-__all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'Node', 'step_time', 'memory_explorer']
+__all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'Node', 'step_parts', 'step_time', 'memory_explorer']
 
 # %% ../../nbs/04b_plan.recommend.ipynb #57e94ad1
 def _ladder(ws, activation_checkpointing=True):
@@ -216,9 +216,9 @@ class Node:
     intra:float=450e9            # bytes/s of an all-reduce inside the node (NVLink)
     inter:float=50e9             # bytes/s across nodes (400 Gb/s)
 
-def step_time(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISION, node:Node=Node(),
-              activation_checkpointing:bool=False) -> float:
-    "Predicted seconds of one step of `shape` under layout `d` (see above)"
+def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISION, node:Node=Node(),
+               activation_checkpointing:bool=False) -> dict:
+    "Predicted seconds of one step of `shape` under layout `d`, by part: compute, bubble, tp, dp, pp (see above)"
     p, n, m = PRECISIONS[precision], d.world_size, 2 * d.pp
     s, h, seqs = shape.seq_len, shape.hidden, shape.batch * n / d.dp  # sequences each data-parallel group runs
     compute = 6 * shape.params() * s * shape.batch / node.flops * (4 / 3 if activation_checkpointing else 1)
@@ -230,7 +230,12 @@ def step_time(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISION
     dp = (ar(d.dp_shard, 1.5 * g, link(d.tp * d.dp_shard)) +  # FSDP: reduce-scatter + the parameter gathers
           ar(d.dp_replicate, g / d.dp_shard, link(d.tp * d.dp)))  # replicas (DDP, HSDP): all-reduce of the shards
     pp = 2 * seqs * s * h * p.activations / node.inter if d.pp_enabled else 0
-    return compute + bubble + tp + dp + pp
+    return dict(compute=compute, bubble=bubble, tp=tp, dp=dp, pp=pp)
+
+def step_time(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISION, node:Node=Node(),
+              activation_checkpointing:bool=False) -> float:
+    "Predicted seconds of one step of `shape` under layout `d`: the sum of its `step_parts`"
+    return sum(step_parts(shape, d, precision, node, activation_checkpointing).values())
 
 # %% ../../nbs/04b_plan.recommend.ipynb #d5ffcad5
 def _layout_options(model, batch, ws, optimizer, precision, loss_fn, shape, units, node):

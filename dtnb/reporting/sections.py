@@ -118,17 +118,31 @@ def env_section(quick=True, **_) -> Section:
 
 # %% ../../nbs/08a_reporting.sections.ipynb #428380ee
 def plan_section(quick=True, task=None, nprocs=2, **_) -> Section:
-    "The strategy the memory planner recommends for the task's model, with its assumptions and table"
+    "The memory planner's strategy for the task's model, and every `parallelize` layout: assumptions and tables"
     from dtnb.plan.recommend import recommend
     task = task or Task()
     batch = task.examples(16) if task.has_data else None
-    p = recommend(task.build(), batch=batch, loss_fn=task.loss_fn if batch else None, world_size=nprocs,
-                  precision='fp32')
+    kw = dict(batch=batch, loss_fn=task.loss_fn if batch else None, world_size=nprocs, precision='fp32')
+    p = recommend(task.build(), **kw)
     acts = 'activations traced from a batch of 16' if batch else 'to count activations, pass --input-shape or --batch'
     assume = f"Planned for {nprocs} devices in fp32, as the training section trains ({acts}). Model: {task.describe()}."
-    return Section('Which strategy fits', f"{assume}\n\n{p._repr_markdown_()}", f"{assume}\n{p}",
-                   dict(model=task.describe(), task=dict(model=task.model and str(task.model)), assumptions=assume,
-                        plan=p.to_dict()))
+    md, text, data = f"{assume}\n\n{p._repr_markdown_()}", f"{assume}\n{p}", dict(plan=p.to_dict(), layouts=None)
+    if nprocs > 1:
+        lay = _layouts(task.build(), kw, p.memory)
+        md, text = f"{md}\n\n{lay[0]}", f"{text}\n\n{lay[1]}"
+        data['layouts'] = lay[2]
+    return Section('Which strategy fits', md, text, dict(model=task.describe(), task=dict(model=task.model and
+                   str(task.model)), assumptions=assume, **data))
+
+def _layouts(model, kw, memory):
+    "(markdown, text, dict) of `recommend(..., layouts=True)`: the N-D table, or why the layouts could not be planned"
+    from dtnb.plan.recommend import recommend
+    head = f"Every `parallelize` layout of {kw['world_size']} devices (tp × pp × dp_shard × dp_replicate)"
+    try: lay = recommend(model, **kw, memory=memory, layouts=True)
+    except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
+        why = f"{head}: not planned ({type(e).__name__}: {e})"
+        return why, why, dict(error=why)
+    return f"**{head}**\n\n{lay._repr_markdown_()}", f"{head}\n{lay}", lay.to_dict()
 
 # %% ../../nbs/08a_reporting.sections.ipynb #deffe3cf
 STRATEGY_RUNS = ['ddp', 'zero1', 'zero2', 'fsdp', 'pipeline']  # trained beside the single-process reference

@@ -6,12 +6,12 @@ Docs: https://dtnb-dev.github.io/dtnb/train.checkpoint_load.html.md"""
 
 # %% ../../nbs/05c_train.checkpoint_load.ipynb #c7e91843
 from __future__ import annotations
-import pickle, functools
+import pickle
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 import torch
-from ..core.utils import md_table, text_table
+from ..core.utils import md_table, text_table, cache
 from .resume_state import set_rng_state
 from .checkpoint import MARKER, CheckpointError, quiet, state_dicts, read_marker, list_checkpoints, latest_checkpoint
 from ..core.dist import dist_or_none, rank_world, all_gather_objects
@@ -44,7 +44,7 @@ def check_metadata(path:Path):
     with open(path / '.metadata', 'rb') as f: _MetadataUnpickler(f).load()
 
 # %% ../../nbs/05c_train.checkpoint_load.ipynb #583f015b
-@functools.cache
+@cache  # core.utils: unlike functools.cache, it travels to spawned ranks
 def safe_dcp():
     "DCP's reader and load planners, made safe: metadata through `_MetadataUnpickler`, values weights_only=True"
     from torch.distributed.checkpoint import FileSystemReader, DefaultLoadPlanner
