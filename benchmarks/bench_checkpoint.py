@@ -5,7 +5,7 @@
 - save: dtnb's atomic save (DCP shards + RNG + marker with checksums) vs torch's DCP save of the same state alone
   (what dtnb adds) vs a plain torch.save of the full model+optimizer state on rank 0 (what a hand-written loop does);
 - async save: how long training is blocked (copy to CPU) vs the time until the checkpoint is committed;
-- load: with verification (sizes + CRC32 of every file, split over the ranks) and without;
+- load: with verification (sizes + checksum of every file, split over the ranks, beside DCP's reads) and without;
 - export: the whole model to one .safetensors file.
 """
 import argparse, os, shutil, statistics, tempfile, time, zlib
@@ -22,7 +22,8 @@ def _bench(root, d, depth, repeats):
     from dtnb.core.dist import rank, barrier
     from dtnb.parallel.wrap import wrap
     import torch.distributed.checkpoint as dcp
-    from dtnb.train.checkpoint import save_checkpoint, checkpoint_path, file_crc, state_dicts
+    from dtnb.train.checkpoint import save_checkpoint, checkpoint_path, state_dicts
+    from dtnb.train import checkpoint as ck
     from dtnb.train.checkpoint_load import load_checkpoint
     from dtnb.train.export import export_model
     model = wrap(_model(d, depth), 'ddp')
@@ -58,20 +59,55 @@ def _bench(root, d, depth, repeats):
     r['torch_save_fsync'] = timed(plain_fsync)
     files = [p for p in checkpoint_path(root / 'dtnb', repeats - 1).iterdir() if p.is_file()]  # one checkpoint
     r['bytes'] = sum(p.stat().st_size for p in files)
-    t = time.perf_counter(); [file_crc(p) for p in files]; r['crc_all'] = time.perf_counter() - t  # one rank hashing everything
-    blocked, committed = [], []
+    hashing = getattr(ck, 'file_checksum', None) or getattr(ck, 'file_crc')  # before format 2: file_crc (CRC32)
+    t = time.perf_counter(); [hashing(p) for p in files]; r['crc_all'] = time.perf_counter() - t  # one rank, all files
+    r['hash_kind'] = getattr(ck, 'CHECKSUM', 'crc32')
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+    blocked, committed, staging = [], [], []
     for i in range(repeats):
+        barrier(); t = time.perf_counter(); BlockingAsyncStager().stage(sd); staging.append(time.perf_counter() - t)
         barrier(); t = time.perf_counter()
         h = save_checkpoint(checkpoint_path(root / 'async', i), model, opt, step=i, keep=1, async_save=True)
         blocked.append(time.perf_counter() - t)
         h.wait(); committed.append(time.perf_counter() - t)
     r['async_blocked'], r['async_total'] = statistics.median(blocked), statistics.median(committed)
+    r['staging'] = statistics.median(staging)  # DCP's copy of the state to CPU memory, alone
     last = checkpoint_path(root / 'dtnb', repeats - 1)
     r['load_verify'], r['load_noverify'], r['load_ratio'] = pair(lambda i: load_checkpoint(last, model, opt),
                                                                  lambda i: load_checkpoint(last, model, opt, verify=False))
+    r['phases'] = _phases(root, model, opt, repeats)  # where a save's time goes, rank 0
     r['export'] = timed(lambda i: export_model(root / 'model.safetensors', model))
     r['export_bytes'] = os.path.getsize(root / 'model.safetensors')
     return r
+
+
+def _phases(root, model, opt, repeats):
+    "Seconds per save spent in each step of save_checkpoint on this rank (wrapped with timers; nested ones overlap)"
+    import torch.distributed.checkpoint as dcp
+    from dtnb.core.dist import barrier
+    from dtnb.train import checkpoint as ck
+    spent, saved = {}, []
+    def timer(mod, name, label):
+        f = getattr(mod, name, None)
+        if f is None: return
+        def w(*a, **k):
+            t = time.perf_counter()
+            try: return f(*a, **k)
+            finally: spent[label] = spent.get(label, 0) + time.perf_counter() - t
+        saved.append((mod, name, f)); setattr(mod, name, w)
+    for name in ('state_dicts', 'all_gather_objects', 'agree', 'broadcast_from_rank0', '_rank0_buffers', '_hash_files',
+                 '_commit', '_fsync_dir', '_pt_bytes', '_write_file', '_write_pt', 'rng_state'):
+        timer(ck, name, name)
+    timer(dcp, 'save', 'dcp.save (with checksums as written)')
+    total = 0
+    try:
+        for i in range(repeats):
+            barrier(); t = time.perf_counter()
+            ck.save_checkpoint(ck.checkpoint_path(root / 'phases', i), model, opt, step=i)
+            total += time.perf_counter() - t
+    finally:
+        for mod, name, f in saved: setattr(mod, name, f)
+    return {'total': total / repeats, **{k: v / repeats for k, v in spent.items()}}
 
 
 def main():
@@ -91,15 +127,19 @@ def main():
     print(f"  save, DCP alone (dcp.save, same state)     {r['dcp']:8.3f} s   {mb / r['dcp']:7.0f} MiB/s   dtnb adds {r['save'] / r['dcp'] - 1:+.0%}")
     print(f"  save, plain torch.save on rank 0           {r['torch_save']:8.3f} s   {mb / r['torch_save']:7.0f} MiB/s   ratio dtnb/plain {r['save'] / r['torch_save']:.2f}")
     print(f"  save, plain torch.save + fsync on rank 0   {r['torch_save_fsync']:8.3f} s   {mb / r['torch_save_fsync']:7.0f} MiB/s   ratio dtnb/plain {r['save'] / r['torch_save_fsync']:.2f}")
-    print(f"  CRC32 of all files on one rank             {r['crc_all']:8.3f} s   {mb / r['crc_all']:7.0f} MiB/s   ({100 * r['crc_all'] / 2 / r['save']:.0f}% of a save, split over 2 ranks)")
+    print(f"  {r['hash_kind']:7} of all files on one rank           {r['crc_all']:8.3f} s   {mb / r['crc_all']:7.0f} MiB/s   ({100 * r['crc_all'] / 2 / r['save']:.0f}% of a save, split over 2 ranks)")
     print(f"  async save: training blocked              {r['async_blocked']:8.3f} s   ({100 * r['async_blocked'] / r['save']:.0f}% of a synchronous save)")
+    print(f"  the copy to CPU alone (DCP's staging)     {r['staging']:8.3f} s")
     print(f"  async save: until committed               {r['async_total']:8.3f} s")
-    print(f"  load, verified (sizes + CRC32)             {r['load_verify']:8.3f} s")
+    print(f"  load, verified (sizes + checksums)         {r['load_verify']:8.3f} s")
     print(f"  load, verify=False                         {r['load_noverify']:8.3f} s   verification overhead {r['load_verify'] / r['load_noverify'] - 1:+.0%}")
     print(f"  ratios (median of interleaved pairs; targets of issue 27 in brackets):")
     print(f"    save, dtnb / dcp.save                    {r['save_ratio']:8.2f}   (<= 1.15)")
     print(f"    load, verified / verify=False            {r['load_ratio']:8.2f}   (<= 1.15)")
     print(f"    async save blocked / synchronous save    {r['async_blocked'] / r['save']:8.2f}   (the copy to CPU only)")
+    print(f"  where a save's time goes on rank 0 (mean of {a.repeats}; nested steps overlap):")
+    for k, v in sorted(r['phases'].items(), key=lambda kv: -kv[1]):
+        print(f"    {k:42} {v * 1e3:8.1f} ms   {v / r['phases']['total']:6.1%}")
     print(f"  export to one .safetensors                 {r['export']:8.3f} s   {r['export_bytes'] / 2**20:.1f} MiB")
 
 

@@ -94,12 +94,12 @@ def broadcast_from_rank0(obj, group=None):
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]
 
-def all_gather_objects(obj) -> list:
-    "`obj` from every rank, in rank order (`all_gather_object`); `[obj]` in one process"
+def all_gather_objects(obj, group=None) -> list:
+    "`obj` from every rank of `group` (default: all ranks), in rank order (`all_gather_object`); `[obj]` alone"
     import torch.distributed as dist
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1: return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1: return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 # %% ../../nbs/00b_core.dist.ipynb #6bb75b95

@@ -6,25 +6,26 @@ Docs: https://dtnb-dev.github.io/dtnb/train.checkpoint.html.md"""
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c002
 from __future__ import annotations
-import os, re, json, time, uuid, zlib, shutil, warnings, threading, contextlib, collections
+import io, os, re, json, time, uuid, zlib, shutil, warnings, contextlib, collections
 from ..core.logs import CheckpointWarning
 from dataclasses import dataclass, field
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
-import torch
+import torch, xxhash
 from torch import nn
 from ..core.utils import md_table, text_table
-from ..core.dist import dist_or_none, rank_world, broadcast_from_rank0, all_gather_objects, agree
+from ..core.dist import dist_or_none, rank_world, all_gather_objects, agree
 from .resume_state import rng_state
 
 # %% auto #0
-__all__ = ['FORMAT', 'VERSION', 'MARKER', 'CheckpointError', 'checkpoint_path', 'rank_file', 'quiet', 'state_dicts', 'set_state',
-           'global_shapes', 'live_buffers', 'file_crc', 'load_pt', 'AsyncSave', 'save_checkpoint', 'wait_pending',
-           'read_marker', 'looks_like_checkpoint', 'CheckpointList', 'list_checkpoints', 'latest_checkpoint',
-           'prune_checkpoints']
+__all__ = ['FORMAT', 'VERSION', 'MARKER', 'CHECKSUM', 'CheckpointError', 'checkpoint_path', 'rank_file', 'quiet', 'state_dicts',
+           'set_state', 'local_shapes', 'merge_shapes', 'global_shapes', 'live_buffers', 'file_checksum', 'load_pt',
+           'AsyncSave', 'save_checkpoint', 'wait_pending', 'read_marker', 'looks_like_checkpoint', 'CheckpointList',
+           'list_checkpoints', 'latest_checkpoint', 'prune_checkpoints']
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c006
-FORMAT, VERSION, MARKER = 'dtnb-checkpoint', 1, '.complete'
+FORMAT, VERSION, MARKER = 'dtnb-checkpoint', 2, '.complete'
+CHECKSUM = 'xxh3_64'  # of every file, in the marker (format 2); format 1 markers hold zlib's CRC32 ('crc32')
 
 class CheckpointError(RuntimeError):
     "A checkpoint that is incomplete, damaged, unsafe, or does not match the model it is loaded into"
@@ -96,38 +97,43 @@ def set_state(model, optimizer, sd, back):
             for mine, loaded in zip(optimizer.param_groups, local.param_groups):
                 mine.update({k: v for k, v in loaded.items() if k != 'params'})
 
-def global_shapes(sd:dict) -> dict:
-    "{kind: {key: global shape, or None for a non-tensor}}, merged over all ranks (stages hold different keys)"
-    mine = {kind: {k: list(v.shape) if isinstance(v, torch.Tensor) else None for k, v in d.items()}
+def local_shapes(sd:dict) -> dict:
+    "{kind: {key: shape, or None for a non-tensor}} of this rank's state (global shapes: DTensors report theirs)"
+    return {kind: {k: list(v.shape) if isinstance(v, torch.Tensor) else None for k, v in d.items()}
             for kind, d in sd.items()}
+
+def merge_shapes(parts) -> dict:
+    "Several ranks' `local_shapes` as one (pipeline stages hold different keys)"
     out = {}
-    for part in all_gather_objects(mine):
+    for part in parts:
         for kind, d in part.items(): out.setdefault(kind, {}).update(d)
     return out
+
+def global_shapes(sd:dict) -> dict:
+    "{kind: {key: global shape, or None for a non-tensor}}, merged over all ranks. A collective"
+    return merge_shapes(all_gather_objects(local_shapes(sd)))
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #b3bd8c2f
 def _is_dtensor(t): return type(t).__name__ == 'DTensor'
 
-def live_buffers(model) -> dict:
+def live_buffers(model, sd:dict|None=None) -> dict:
     "{state-dict key: tensor} of the buffers `model` holds whole on this rank (not sharded), aliasing them"
     m = _module(model)
     held = {b.data_ptr() for b in m.buffers() if b.numel() and not _is_dtensor(b)}
-    sd, _ = state_dicts(model)
+    sd = sd or state_dicts(model)[0]  # `sd`: this model's state_dicts, not a copy
     return {k: v for k, v in sd['model'].items()
             if isinstance(v, torch.Tensor) and not _is_dtensor(v) and v.numel() and v.data_ptr() in held}
 
-def _rank0_buffers(model, sd:dict) -> dict:
+def _rank0_buffers(sd:dict, mine:dict, parts:list, group=None) -> dict:
     "Put rank 0's value of every buffer all ranks hold into `sd` (copies); return this rank's own that differ"
     d = dist_or_none()
-    if d is None or d.get_world_size() == 1: return {}
-    mine = {k: (list(v.shape), str(v.dtype)) for k, v in live_buffers(model).items() if k in sd['model']}
-    parts = all_gather_objects(mine)
+    if d is None or len(parts) == 1: return {}
     groups, own = {}, {}  # buffers every rank holds alike (not a pipeline stage's own), by dtype and device type
     for k in sorted(k for k in mine if all(p.get(k) == mine[k] for p in parts)):
         v = sd['model'][k]; groups.setdefault((v.dtype, v.device.type), []).append(k)
     for ks in groups.values():  # one broadcast per group, not one per buffer (a ResNet-50 has 160)
         flat = torch.cat([sd['model'][k].detach().reshape(-1) for k in ks])
-        d.broadcast(flat, 0)
+        d.broadcast(flat, 0, group=group)
         for k, t in zip(ks, flat.split([sd['model'][k].numel() for k in ks])):
             v = sd['model'][k]
             if not torch.equal(t.view_as(v), v): own[k] = v.detach().cpu().clone()
@@ -135,50 +141,63 @@ def _rank0_buffers(model, sd:dict) -> dict:
     return own
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c027
-def file_crc(path) -> int:
-    "CRC32 of a file"
-    c = 0
-    with open(path, 'rb') as f:
-        while chunk := f.read(1 << 22): c = zlib.crc32(chunk, c)
-    return c
+class _Sum:
+    "A running checksum: xxh3_64 as 16 hex digits (format 2, about 10× zlib's CRC32 on a CPU), or CRC32 (format 1)"
+    def __init__(self, kind:str=CHECKSUM):
+        if kind not in ('xxh3_64', 'crc32'): raise CheckpointError(f"unknown checksum {kind!r}: upgrade dtnb")
+        self.h, self.crc = (xxhash.xxh3_64() if kind == 'xxh3_64' else None), 0
+    def update(self, b):
+        if self.h is None: self.crc = zlib.crc32(b, self.crc)
+        else: self.h.update(b)
+    def value(self): return self.crc if self.h is None else self.h.hexdigest()
 
-def _fsync_dir(p):
-    with contextlib.suppress(OSError):
-        fd = os.open(p, os.O_RDONLY)
-        try: os.fsync(fd)
-        finally: os.close(fd)
-
-class _Crc:
-    "A file being written that keeps the CRC32 of the bytes written through it (no reading back to checksum them)"
-    def __init__(self, f): self.f, self.crc = f, 0
-    def write(self, b):
-        self.crc = zlib.crc32(b, self.crc)
-        return self.f.write(b)
-    def __getattr__(self, k): return getattr(self.f, k)
+def file_checksum(path, kind:str=CHECKSUM):
+    "The checksum of a file: xxh3_64 (hex), or zlib's CRC32 with `kind='crc32'` (the markers of format 1)"
+    s, buf = _Sum(kind), bytearray(1 << 20)  # 1 MiB: hashed while still in the cache
+    with open(path, 'rb', buffering=0) as f:
+        while n := f.readinto(buf): s.update(memoryview(buf)[:n])
+    return s.value()
 
 def _fsync(path):
     fd = os.open(path, os.O_RDONLY)
     try: os.fsync(fd)
     finally: os.close(fd)
 
-def _write_pt(obj, path, crcs:dict|None=None, sync:bool=True):
-    "torch.save, fsynced (`sync=False`: by the caller, e.g. on a thread beside other writes); CRC32 into `crcs`"
-    with open(path, 'wb') as f:
-        w = _Crc(f); torch.save(obj, w); f.flush()
-        if sync: os.fsync(f.fileno())
-    if crcs is not None: crcs[Path(path).name] = w.crc
+def _fsync_dir(p):
+    with contextlib.suppress(OSError): _fsync(p)
 
-def _crc_writer(path, crcs:dict):
-    "DCP's FileSystemWriter into `path` that puts the CRC32 of each file it writes into `crcs`, as it writes"
+class _Summing:
+    "A file being written that keeps the checksum of the bytes written through it (no reading back to hash them)"
+    def __init__(self, f): self.f, self.sum = f, _Sum()
+    def write(self, b):
+        self.sum.update(b)
+        return self.f.write(b)
+    def __getattr__(self, k): return getattr(self.f, k)
+
+def _pt_bytes(obj) -> bytes:
+    "`obj` as torch.save writes it: taken now, so that later changes to `obj` do not reach the file"
+    b = io.BytesIO(); torch.save(obj, b)
+    return b.getvalue()
+
+def _write_file(data:bytes, path, sums:dict):
+    "Write `data` (fsynced by the caller, beside DCP's writes); its checksum into `sums`"
+    with open(path, 'wb') as f: f.write(data)
+    s = _Sum(); s.update(data); sums[Path(path).name] = s.value()
+
+def _summing_writer(path, sums:dict):
+    "DCP's FileSystemWriter into `path` that puts the checksum of each file it writes into `sums`, as it writes"
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystem
     class _Fs(FileSystem):
         @contextlib.contextmanager
         def create_stream(self, p, mode):
             with super().create_stream(p, mode) as s:
-                w = _Crc(s) if 'w' in mode else s
+                w = _Summing(s) if 'w' in mode else s
                 yield w
-            if w is not s: crcs[Path(p).name] = w.crc
+            if w is not s: sums[Path(p).name] = w.sum.value()
+        def rename(self, p, new):  # DCP writes .metadata.tmp, then renames it to .metadata
+            super().rename(p, new)
+            if Path(p).name in sums: sums[Path(new).name] = sums.pop(Path(p).name)
     writer = dcp.FileSystemWriter(str(path))
     if isinstance(getattr(writer, 'fs', None), FileSystem): writer.fs = _Fs()  # else: the files are read to hash
     return writer
@@ -208,15 +227,16 @@ def _check_extra(x, where='extra'):
                         "and lists/tuples/dicts of them (for an object with state, pass obj.state_dict())")
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c029
-def _hash_files(tmp:Path, known:dict|None=None) -> dict:
-    "{file: [size, crc32]} of every file in `tmp`: the CRCs ranks `known` as they wrote, the rest hashed. A collective"
+def _hash_files(tmp:Path, known:dict, group=None) -> dict:
+    "{file: [size, checksum]} of every file in `tmp`: those ranks `known` as they wrote, the rest hashed. A collective"
     r, ws = rank_world()
     names, files = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != MARKER), {}
-    for part in all_gather_objects({n: [os.path.getsize(tmp / n), c] for n, c in (known or {}).items() if n in names}):
+    for part in all_gather_objects({n: [os.path.getsize(tmp / n), c] for n, c in known.items() if n in names}, group):
         files.update(part)
-    rest = [n for n in names if n not in files]  # each rank hashes a share of those
-    for part in all_gather_objects({n: [os.path.getsize(tmp / n), file_crc(tmp / n)] for n in rest[r::ws]}):
-        files.update(part)
+    rest = [n for n in names if n not in files]  # none with torch's FileSystemWriter; else each rank hashes a share
+    if rest:
+        mine = {n: [os.path.getsize(tmp / n), file_checksum(tmp / n)] for n in rest[r::ws]}
+        for part in all_gather_objects(mine, group): files.update(part)
     return {n: files[n] for n in names}  # no file is touched after the last gather: rank 0 then renames `tmp`
 
 def _commit(tmp:Path, path:Path, meta:dict, files:dict, keep:int|None):
@@ -233,42 +253,58 @@ def _commit(tmp:Path, path:Path, meta:dict, files:dict, keep:int|None):
     if old is not None: shutil.rmtree(old, ignore_errors=True)
     if keep: prune_checkpoints(path.parent, keep, protect=path)
 
+def _write(path:Path, sd:dict, bufs:dict, rankfile:dict, extra:bytes|None, meta:dict, keep:int|None,
+           group=None) -> str|None:
+    "Every rank: agree on `path`, write into a temporary directory; then rank 0 commits. Returns rank 0's problem"
+    import torch.distributed.checkpoint as dcp
+    r, ws = rank_world()
+    parts = all_gather_objects((str(path), uuid.uuid4().hex[:12], local_shapes(sd), bufs), group)  # one gather
+    if wrong := [f"rank {i} saves to {p[0]}" for i, p in enumerate(parts) if p[0] != parts[0][0]]:
+        raise ValueError(f"{', '.join(wrong)} but rank 0 to {parts[0][0]}: pass the same path on every rank")
+    meta = {'optim': None, **meta, **merge_shapes(p[2] for p in parts)}
+    own = _rank0_buffers(sd, bufs, [p[3] for p in parts], group)  # the checkpoint: rank 0's buffers; rank files: own
+    tmp = path.with_name(f"{path.name}.tmp-{parts[0][1]}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    sums, mine = {}, [tmp / rank_file(r)] + ([tmp / 'extra.pt'] if r == 0 else [])
+    try:
+        _write_file(_pt_bytes({**rankfile, 'buffers': own}), mine[0], sums)
+        if r == 0: _write_file(extra, mine[1], sums)
+        pool = ThreadPoolExecutor(1, thread_name_prefix='dtnb-fsync')  # fsynced beside DCP's writes
+        synced = [pool.submit(_fsync, p) for p in mine]; pool.shutdown(wait=False)
+        with quiet():
+            dcp.save(sd, storage_writer=_summing_writer(tmp, sums), process_group=group, no_dist=dist_or_none() is None)
+        for s in synced: s.result()
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if r == 0: shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_error(path, e) from e
+    files = _hash_files(tmp, sums, group)
+    if r != 0: return None
+    try: _commit(tmp, path, meta, files, keep)
+    except Exception as e: return f"committing checkpoint {path} failed: {type(e).__name__}: {e}"
+
 # %% ../../nbs/05b_train.checkpoint.ipynb #c030
 class AsyncSave:
     "A checkpoint being written in the background: `wait()`, on every rank, returns its path once it is committed"
-    def __init__(self, path:Path, tmp:Path, meta:dict, future, keep:int|None):
-        self.path, self._tmp, self._meta, self._future, self._keep = path, tmp, meta, future, keep
-        self._committed, self._error = threading.Event(), None
+    def __init__(self, path:Path, sd:dict, *args):
+        "Copy the state to CPU memory (all that training waits for); gathers, writes and commit run on a thread"
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+        self.path, group = path, _async_group()
+        staged = BlockingAsyncStager().stage(sd)
+        pool = ThreadPoolExecutor(1, thread_name_prefix='dtnb-async-save')
+        self._future = pool.submit(_write, path, staged, *args, group=group); pool.shutdown(wait=False)
         _PENDING.append(self)
-        if rank_world()[0] == 0: future.add_done_callback(self._commit)
-        else: self._committed.set()
-
-    def _commit(self, fut):
-        "Rank 0, in the writer thread: checksum every file, write the marker, rename"
-        try:
-            fut.result()
-            files = {p.name: [p.stat().st_size, file_crc(p)] for p in sorted(self._tmp.iterdir())
-                     if p.is_file() and p.name != MARKER}
-            _commit(self._tmp, self.path, self._meta, files, self._keep)
-        except BaseException as e: self._error = e
-        finally: self._committed.set()
 
     def done(self) -> bool:
         "True once the checkpoint is written and (on rank 0) committed"
-        return self._future.done() and self._committed.is_set()
+        return self._future.done()
 
     def wait(self) -> Path:
         "Wait until the checkpoint is committed (or raise why it was not). A collective"
         if self in _PENDING: _PENDING.remove(self)
-        problem = None
-        try:
-            self._future.result()
-            self._committed.wait()
-            if self._error is not None: raise self._error
+        try: problem = self._future.result()
         except BaseException as e:
-            if getattr(e, 'failures', None): problem = str(_save_error(self.path, e))
-            else: problem = f"background save of {self.path} failed: {type(e).__name__}: {e}"
-            if rank_world()[0] == 0: shutil.rmtree(self._tmp, ignore_errors=True)
+            problem = str(e) if isinstance(e, CheckpointError) else (f"background save of {self.path} failed: "
+                                                                     f"{type(e).__name__}: {e}")
         agree(problem, CheckpointError)
         return self.path
 
@@ -292,7 +328,6 @@ def save_checkpoint(path,                        # directory to create, e.g. che
                     **extra,                     # anything else to keep: tensors, numbers, strings, lists/dicts of them
                    ) -> Path|AsyncSave:
     "Save model, optimizer, step, RNG and data position on every rank (a collective); `path` appears only complete"
-    import torch.distributed.checkpoint as dcp
     path = Path(path)
     wait_pending()
     _check_extra(extra)
@@ -303,41 +338,13 @@ def save_checkpoint(path,                        # directory to create, e.g. che
         raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint, or None for all")
     r, ws = rank_world()
     sd, _ = state_dicts(model, optimizer)
-    own = _rank0_buffers(model, sd)  # the checkpoint holds rank 0's buffers, each rank file this rank's own
-    meta = dict(format=FORMAT, version=VERSION, step=int(step), world_size=ws, saved_at=time.time(),
-                torch=torch.__version__,
-                **{k: v for k, v in global_shapes(sd).items()}, extra=sorted(extra))
-    meta.setdefault('optim', None)
-    path0, token = broadcast_from_rank0((str(path), uuid.uuid4().hex[:12]))
-    agree(None if str(path) == path0 else f"rank {r} saves to {path} but rank 0 to {path0}: pass the same path on "
-                                          f"every rank", ValueError)
-    tmp = path.with_name(f"{path.name}.tmp-{token}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    crcs = {}  # CRC32 of the files this rank writes, taken as they are written
-    mine = [tmp / rank_file(r)] + ([tmp / 'extra.pt'] if r == 0 else [])  # fsynced beside DCP's writes (sync save)
-    _write_pt(dict(rank=r, world_size=ws, rng=rng_state(), buffers=own,
-                   data=loader.state_dict() if loader is not None else None), mine[0], crcs, sync=async_save)
-    if r == 0: _write_pt(extra, mine[1], crcs, sync=async_save)
-    writer = _crc_writer(tmp, crcs)
-    if async_save:
-        with quiet():
-            fut = dcp.async_save(sd, storage_writer=writer, process_group=_async_group(),
-                                 no_dist=dist_or_none() is None)
-        return AsyncSave(path, tmp, meta, fut, keep)
-    pool = ThreadPoolExecutor(1, thread_name_prefix='dtnb-fsync')
-    synced = [pool.submit(_fsync, p) for p in mine]; pool.shutdown(wait=False)
-    try:
-        with quiet(): dcp.save(sd, storage_writer=writer, no_dist=dist_or_none() is None)
-        for s in synced: s.result()
-    except BaseException as e:  # DCP's CheckpointException is a BaseException
-        if r == 0: shutil.rmtree(tmp, ignore_errors=True)
-        raise _save_error(path, e) from e
-    files = _hash_files(tmp, crcs)
-    problem = None
-    if r == 0:
-        try: _commit(tmp, path, meta, files, keep)
-        except Exception as e: problem = f"committing checkpoint {path} failed: {type(e).__name__}: {e}"
-    agree(problem, CheckpointError)
+    bufs = {k: (list(v.shape), str(v.dtype)) for k, v in live_buffers(model, sd).items()}
+    rankfile = dict(rank=r, world_size=ws, rng=rng_state(), data=loader.state_dict() if loader is not None else None)
+    meta = dict(format=FORMAT, version=VERSION, checksum=CHECKSUM, step=int(step), world_size=ws,
+                saved_at=time.time(), torch=torch.__version__, extra=sorted(extra))
+    args = (rankfile, _pt_bytes(extra) if r == 0 else None, meta, keep)
+    if async_save: return AsyncSave(path, sd, bufs, *args)
+    agree(_write(path, sd, bufs, *args), CheckpointError)
     return path
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c033
@@ -375,6 +382,7 @@ def read_marker(p:Path) -> dict:
         raise _incomplete(p, f"its {MARKER} marker is not a {FORMAT} marker (or it is damaged)")
     if meta.get('version', 0) > VERSION:
         raise _incomplete(p, f"written by a newer dtnb (format {meta['version']} > {VERSION}): upgrade dtnb")
+    meta.setdefault('checksum', 'crc32')  # format 1: zlib's CRC32 of every file
     return meta
 
 def looks_like_checkpoint(p:Path) -> bool:

@@ -15,8 +15,8 @@ from ..core.utils import md_table, text_table, cache
 from .resume_state import set_rng_state
 from .checkpoint import MARKER, CheckpointError, quiet, state_dicts, read_marker, list_checkpoints, latest_checkpoint
 from ..core.dist import dist_or_none, rank_world, all_gather_objects
-from .checkpoint import file_crc, load_pt, rank_file, wait_pending, set_state, global_shapes, looks_like_checkpoint
-from .checkpoint import live_buffers
+from .checkpoint import file_checksum, load_pt, rank_file, wait_pending, set_state, looks_like_checkpoint
+from .checkpoint import live_buffers, local_shapes, merge_shapes
 
 # %% auto #0
 __all__ = ['check_metadata', 'safe_dcp', 'mismatch', 'verify_checkpoint', 'resolve', 'Checkpoint', 'load_checkpoint']
@@ -114,15 +114,15 @@ def _check_fits(path, meta, shapes, with_optimizer):
                               + '\n  '.join(lines))
 
 # %% ../../nbs/05c_train.checkpoint_load.ipynb #90863236
-def _problems(path:Path, files:list, crc:bool=True) -> list:
-    "What is wrong with `files` [(name, [size, crc32])] in `path`: missing, of another size, (`crc`) corrupted"
+def _problems(path:Path, files:list, kind:str|None) -> list:
+    "What is wrong with `files` [(name, [size, checksum])] in `path`: missing, of another size, (`kind`) corrupted"
     bad = []
     for name, (size, c) in files:
         f = path / name
         if not f.is_file(): bad.append(f"{name}: missing")
         elif (n := f.stat().st_size) != size:
             bad.append(f"{name}: {n:,} bytes instead of {size:,} ({'truncated' if n < size else 'grown'})")
-        elif crc and file_crc(f) != c: bad.append(f"{name}: checksum mismatch (corrupted)")
+        elif kind and file_checksum(f, kind) != c: bad.append(f"{name}: checksum mismatch (corrupted)")
     return bad
 
 def _raise_damaged(path, bad, collective=True, what='nothing was loaded'):
@@ -131,19 +131,20 @@ def _raise_damaged(path, bad, collective=True, what='nothing was loaded'):
                                   f"\nload an earlier one (list_checkpoints('{path.parent}'))")
 
 def verify_checkpoint(path:Path, meta:dict, collective:bool=True, crc:bool=True):
-    "Every file the marker lists is present, of its size and CRC32; each rank checks a share, all raise. A collective"
+    "Every file the marker lists is there, of its size and checksum; each rank checks a share, all raise. A collective"
     r, ws = rank_world() if collective else (0, 1)
-    _raise_damaged(path, _problems(path, sorted(meta['files'].items())[r::ws], crc), collective)
+    kind = meta.get('checksum', 'crc32') if crc else None  # format 1 markers hold CRC32s
+    _raise_damaged(path, _problems(path, sorted(meta['files'].items())[r::ws], kind), collective)
 
 def _verify_beside(path:Path, meta:dict):
-    "Sizes checked now (nothing loaded if one is off), checksums on a thread beside the loading; returns their wait"
-    verify_checkpoint(path, meta, crc=False)
+    "This rank's share of the files: their size problems now, their checksums on a thread beside the loading"
     r, ws = rank_world()
+    share = sorted(meta['files'].items())[r::ws]
     pool = ThreadPoolExecutor(1, thread_name_prefix='dtnb-verify')
-    fut = pool.submit(_problems, path, sorted(meta['files'].items())[r::ws])
+    fut = pool.submit(_problems, path, share, meta.get('checksum', 'crc32'))
     pool.shutdown(wait=False)  # the thread ends with its work
-    return lambda: _raise_damaged(path, fut.result(), what='found while loading it, so the model and optimizer may '
-                                                             'hold part of it')
+    return _problems(path, share, None), lambda: _raise_damaged(
+        path, fut.result(), what='found while loading it, so the model and optimizer may hold part of it')
 
 def resolve(path) -> Path:
     "A checkpoint directory, or the newest complete checkpoint of a directory of them"
@@ -213,10 +214,12 @@ def load_checkpoint(path,                     # a checkpoint directory, or a dir
     wait_pending()
     path = resolve(path)
     meta = read_marker(path)
-    checked = _verify_beside(path, meta) if verify else (lambda: None)  # checksums on a thread beside the I/O
-    check_metadata(path)
+    sizes, checked = _verify_beside(path, meta) if verify else ([], lambda: None)  # checksums beside the I/O
     sd, back = state_dicts(model, optimizer)
-    _check_fits(path, meta, global_shapes(sd), optimizer is not None)
+    parts = all_gather_objects((sizes, local_shapes(sd)))  # one gather: files of the wrong size, shapes
+    _raise_damaged(path, [b for p in parts for b in p[0]], collective=False)  # nothing loaded if one is off
+    check_metadata(path)
+    _check_fits(path, meta, merge_shapes(p[1] for p in parts), optimizer is not None)
     Reader, Planner, _ = safe_dcp()
     try:
         with quiet(): dcp.load(sd, storage_reader=Reader(str(path)), planner=Planner(), no_dist=dist_or_none() is None)

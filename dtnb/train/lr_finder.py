@@ -121,7 +121,7 @@ def find_lr(model:nn.Module, loader, optimizer:torch.optim.Optimizer,
             for g in optimizer.param_groups: g['lr'] = lr
             batch = to_device(cast_batch(batch, precision, keys), device)
             loss = micro_step(model, batch, fwd, device, precision, None, 1, True)
-            optimizer_step(model, optimizer, None, None)
+            optimizer_step(model, optimizer, None, None, measure=False)  # its gradient norm is not used
             r.lrs.append(lr); r.losses.append(_mean_over_ranks(loss)); r.smoothed = smooth(r.losses, beta)
             if not math.isfinite(r.losses[-1]) or r.smoothed[-1] > diverge * min(r.smoothed):
                 r.stopped = f"diverged at lr {lr:.2g}"; break
