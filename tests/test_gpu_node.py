@@ -36,6 +36,7 @@ UNPINNED = {
     '00d_core.logs': "log records and warnings: no device",
     '05h_train.trackers': "tracker callbacks and an import error: no device (the runs: tests/test_trackers.py)",
     '02_launcher.failures': "error reports: no device",
+    '09_debug.divergence': "the causes' rules on tables written by hand: no ranks, no device",
     '02_launcher.hangs': "flight recorder entries and heartbeat records on paper: no device",
     '05d_train.stragglers': "per-rank step splits on paper (fit's ranks: tests/test_hangs.py)",
     '02_launcher.network': "routes, addresses and a store heartbeat in one process: no device",
