@@ -241,7 +241,12 @@ def test_rank_profiles_from_separate_runs():
 def test_loader_report_quick():
     rep = loader_report(SyntheticDataset(512, cost_ms=2, mode='sleep'), batch_size=16, quick=True)
     cap = rep.tuning.limits['max_workers']   # the usable cores: 1 under `taskset -c 0`
-    assert rep.before.input_bound and rep.tuning.best.settings['num_workers'] >= min(2, cap), rep.tuning.limits
+    assert rep.before.input_bound, rep.before
+    # what w workers can give, from the step measured before: data and compute overlap, the data wait is shared out.
+    # One worker (one usable core) only hides the compute: about 1.2x here, within the tuner's noise under load
+    d, c, w = rep.before.mean('data'), rep.before.mean('compute'), min(2, cap)
+    if (d + c) / max(d / w, c) >= 1.5:
+        assert rep.tuning.best.settings['num_workers'] >= w, (rep.tuning.limits, d, c)
     if rep.settings:   # the tuner changed the loader: it waits less for data per step (on sleeping samples
         assert rep.after.mean('data') < rep.before.mean('data'), rep   # the fraction stays near 1 either way)
     assert children() == []
