@@ -36,7 +36,8 @@ def test_torch_trainer_runs_wrap_and_fit_unchanged_and_equals_one_process():
     tmp = tempfile.mkdtemp(prefix='dr', dir='/tmp')  # short: Ray's socket paths must fit in 107 bytes
     try:
         run = [sys.executable, 'examples/ray_train.py', '--workers', '2', '--steps', '5', '--temp-dir', tmp]
-        r = subprocess.run(['unshare', '-n', 'sh', '-c', 'ip link set lo up && exec "$@"', 'sh', *run], cwd=ROOT, env=cpu_env({**os.environ, 'HOME': tmp}),  # Ray's ~/.ray too
+        isolated = ['unshare', '-n', 'sh', '-c', 'ip link set lo up && exec "$@"', 'sh']  # loopback only
+        r = subprocess.run(isolated + run, cwd=ROOT, env=cpu_env({**os.environ, 'HOME': tmp}),  # Ray's ~/.ray too
                            capture_output=True, text=True, timeout=300)
         deadline = time.monotonic() + 10
         while (left := _left(tmp)) and time.monotonic() < deadline: time.sleep(0.2)  # ray.shutdown ends them
