@@ -58,7 +58,9 @@ def test_autograd_threads_after_export_and_backward_launch_still_trains():
     assert out['two'] == pytest.approx(out['one'], abs=1e-5), out   # DDP on 2 ranks = one process
     autograd = [h for h in out['hazards'] if h.startswith("autograd's device threads run")]
     if autograd:   # the CUDA builds: spawned, said why in one line, and fork refused with the remedy
-        assert len(out['says']) == 1 and "spawn, not fork" in out['says'][0] and autograd[0] in out['says'][0], out
+        # the thread count in the reason grows as the parent trains (6 before `train('single')`, 8 after): not compared
+        assert len(out['says']) == 1 and "spawn, not fork" in out['says'][0], out
+        assert "autograd's device threads run (" in out['says'][0], out
         assert "start_method='spawn'" in out['forced'], out
     else:          # the CPU build: nothing to avoid, so the ranks were forked without a word
         assert out['says'] == [] and out['forced'] == 'ran', out
