@@ -124,4 +124,41 @@ def test_hf_pipeline_equals_one_process(name):
         assert ("GPT2LMHeadModel is a Hugging Face model: its forward does more than apply its units in order" in
                 errs['untied'] and "Pass example=<one microbatch of the training shape>" in errs['untied'])
         assert ("GPT2LMHeadModel is not a chain of units: torch's tracer cut it, and traced stages run as traced, "
-                "with pipeline parallelism alone: drop activation_checkpointing") in errs['ac']
+                "with pipeline and data parallelism (FSDP or DDP over each whole stage) alone: drop "
+                "activation_checkpointing and tp") in errs['ac']
+
+
+def full(t): return t.full_tensor() if hasattr(t, 'full_tensor') else t
+
+def ranked_dp(layouts):
+    """Pipeline × data parallel on 4 ranks, each layout from the start: pp 2 × (dp_shard 2: FSDP2 over each traced
+    stage, or dp_replicate 2); each data-parallel rank trains on its half of every batch"""
+    from dtnb.parallel.tensor import data_rank
+    ids, out = tokens(), {}
+    for name, dp in layouts:
+        deg = Degrees(pp=2, **{dp: 2})
+        mesh = deg.build_mesh()
+        r, n = data_rank(mesh)
+        pipe = parallelize(MODELS[name](), deg, causal_lm_loss, mesh=mesh, example=ids[:BATCH // (4 * n)])
+        opt, losses = torch.optim.AdamW(pipe.parameters(), lr=LR), []
+        for i in range(STEPS):
+            x = ids[i * BATCH:(i + 1) * BATCH][r * BATCH // n:(r + 1) * BATCH // n]
+            opt.zero_grad(); losses.append(pipe.step(x, x).item()); opt.step()
+        out[name, dp] = losses, {k: full(v).detach().clone() for k, v in pipe.named_parameters()}
+    return out
+
+def test_hf_pipeline_times_data_parallel_equals_one_process():
+    """A traced Llama under pp 2 × dp_shard 2 and pp 2 × dp_replicate 2, and a tied GPT-2 (its copies' shards summed)
+    under pp 2 × dp_shard 2: losses and every parameter after 3 AdamW steps equal one process on the whole batch"""
+    layouts = [('llama', 'dp_shard'), ('llama', 'dp_replicate'), ('gpt2-tied', 'dp_shard')]
+    res = launch(ranked_dp, layouts, nprocs=4, timeout=240)
+    for name, dp in layouts:
+        losses, want = one_process(name)
+        got = {}
+        for r in res:
+            assert max(abs(a - b) for a, b in zip(r[name, dp][0], losses)) < 1e-4, (name, dp, r[name, dp][0], losses)
+            got.update(r[name, dp][1])
+        assert sorted(got) == sorted([*want, *(['lm_head.weight'] if name == 'gpt2-tied' else [])])
+        for k, v in got.items():
+            d = (v - want[TIED.get(k, k) if name == 'gpt2-tied' else k]).abs().max().item()
+            assert d < 1e-4, f"{name} pp 2 × {dp} 2, {k}: max difference {d:.3g}"

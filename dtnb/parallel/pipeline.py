@@ -67,6 +67,14 @@ def _unwrap(m):
     "The module inside a DistributedDataParallel wrapper (parameter names without 'module.')"
     return m.module if isinstance(m, nn.parallel.DistributedDataParallel) else m
 
+def _local(t): return t.to_local() if hasattr(t, 'to_local') else t  # a DTensor's shard on this rank
+
+def _shard_shape(shape, like) -> tuple:
+    "The shape of this rank's part of a `shape` tensor placed as the DTensor `like` is (a plain tensor: whole)"
+    if not hasattr(like, 'placements'): return tuple(shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    return tuple(compute_local_shape_and_global_offset(shape, like.device_mesh, like.placements)[0])
+
 def _divisors(n): return [d for d in range(1, n + 1) if n % d == 0]
 
 def _make_stage(mod, s, n_stages, device, group, trace):
@@ -75,8 +83,8 @@ def _make_stage(mod, s, n_stages, device, group, trace):
     if trace is None: return _timed_stage_class(PipelineStage)(mod, s, n_stages, device, group=group)
     if not isinstance(mod, torch.fx.GraphModule):
         raise NotImplementedError(f"stage {s} of a traced pipeline is a {type(mod).__name__}: torch's traced stages "
-                                  "run as traced, without DDP, FSDP or tensor parallel wrappers; use pipeline "
-                                  "parallelism alone for a model that is not a chain")
+                                  "run as traced, without a DistributedDataParallel or tensor parallel wrapper; "
+                                  "shard or replicate them in place (parallelize's dp_shard, dp_replicate)")
     if device.type != 'cpu':  # the tracer burns its device into the ops that create tensors
         from torch.distributed.pipelining._IR import _modify_graph_op_device
         _modify_graph_op_device(mod, device)
@@ -152,19 +160,24 @@ class Pipeline:
         if self.trace is not None: output = self.trace.output(output)
         return self.loss_fn(output_logits(output), target)
     def _tied_copies(self) -> list:
-        "[(shape, this rank's copies, whether they are the first stage's), ...] of parameters the tracer copied"
+        "[(shape here, this rank's copies, whether they are the first stage's), ...] of parameters the tracer copied"
         mods = dict(zip(self.stage_indices, map(_unwrap, self.modules)))
-        return [(shape, [(mods[s].get_parameter(n), s == min(c)) for s, n in c.items() if s in mods])
+        like = next(self.parameters(), None)  # FSDP shards a tied copy as it shards every parameter of the stages
+        return [(_shard_shape(shape, like), [(mods[s].get_parameter(n), s == min(c)) for s, n in c.items()
+                                             if s in mods])
                 for shape, c in (self.trace.tied if self.trace is not None else [])]
     def _sum_tied_grads(self, before):
         "Each tied parameter's gradient from this step is the sum over its copies (this rank's, then all ranks')"
         import torch.distributed as dist
-        for (shape, copies), old in zip(self._tied, before):
+        for (shape, copies), old in zip(self._tied, before):  # FSDP: the copies' shards, alike on every stage
             add = torch.zeros(shape, device=self.device)
             for (p, _), o in zip(copies, old):
-                if p.grad is not None: add += p.grad.float() - (0 if o is None else o)
+                if p.grad is not None: add += _local(p.grad).float() - (0 if o is None else o)
             dist.all_reduce(add, group=self.group)
-            for (p, _), o in zip(copies, old): p.grad = (add if o is None else o + add).to(p.dtype, copy=True)
+            for (p, _), o in zip(copies, old):
+                new = (add if o is None else o + add).to(p.dtype, copy=True)
+                if p.grad is None: p.grad = new
+                else: _local(p.grad).copy_(new)
 
     @property
     def data_parallel_size(self) -> int:
@@ -197,7 +210,7 @@ class Pipeline:
         args = tuple(x.to(self.device) for x in xs) if self.has_first else ()
         kw = dict(target=targets.to(self.device), losses=losses) if self.has_last else {}
         if train:
-            before = [[None if p.grad is None else p.grad.float().clone() for p, _ in c] for _, c in self._tied]
+            before = [[None if p.grad is None else _local(p.grad).float().clone() for p, _ in c] for _, c in self._tied]
             self.schedule.step(*args, **kw)
             self._sum_tied_grads(before)
         else:

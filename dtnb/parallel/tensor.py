@@ -246,10 +246,10 @@ def parallelize(model:nn.Module,
         if cls is None: cls = tuple({type(model.get_submodule(b)) for b in find_blocks(model)})
         pp = mesh['pp'].get_group()
         split, mine, mods = pipeline_stages(model, n_stages, split_points, schedule, balance, example, pp)
-        if split.trace is not None and (activation_checkpointing or degrees.world_size > degrees.pp):
+        if split.trace is not None and (activation_checkpointing or degrees.tp_enabled):
             raise ValueError(f"{type(model).__name__} is not a chain of units: torch's tracer cut it, and traced "
-                             "stages run as traced, with pipeline parallelism alone: drop activation_checkpointing "
-                             "and the other degrees, or make the model a chain")
+                             "stages run as traced, with pipeline and data parallelism (FSDP or DDP over each "
+                             "whole stage) alone: drop activation_checkpointing and tp, or make the model a chain")
     else: mods = [model]
     out = []
     for m in mods:                                                  # each pipeline stage (or the whole model):

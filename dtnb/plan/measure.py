@@ -136,7 +136,8 @@ def _layout_step(model, batch, degrees, optimizer, precision, loss_fn, units, lr
         synchronize(dev); torch.accelerator.reset_peak_memory_stats(); m0 = torch.accelerator.memory_allocated()
     model = copy.deepcopy(model)
     if precision == 'bf16-true': model, batch = model.to(torch.bfloat16), cast_inputs(batch, torch.bfloat16)
-    m = parallelize(model, degrees, loss_fn, layer_cls=units, device=dev)
+    ex = _pipeline_example(batch, degrees.pp) if degrees.pp_enabled else None  # checks the cut; traces a non-chain
+    m = parallelize(model, degrees, loss_fn, layer_cls=units, device=dev, example=ex)
     if isinstance(m, Pipeline): return _pipeline_bytes(m, batch, optimizer, lr, dev, m0)
     return _step_bytes(m, named_optimizer(m, optimizer, lr), batch, precision, loss_fn, units, dev, m0)
 
@@ -220,7 +221,8 @@ def _layout_estimates(model, batch, d, optimizer, precision, loss_fn, units):
     kw = dict(degrees=d, optimizer=optimizer, precision=precision, units=units)
     if d.pp_enabled:
         lf = functools.partial(_logits_loss, loss_fn)  # as the last stage computes it
-        return [estimate_memory(model, batch=batch, loss_fn=lf, rank=r, **kw) for r in range(d.world_size)]
+        ex = _pipeline_example(batch, d.pp)  # the microbatch parallelize cuts (and traces) the model on
+        return [estimate_memory(model, batch=batch, loss_fn=lf, rank=r, example=ex, **kw) for r in range(d.world_size)]
     tr = trace_activations(tp_local(model, d.tp) if d.tp_enabled else model, batch, loss_fn, precision, units)
     return [estimate_memory(model, activations=tr, rank=r, **kw) for r in range(d.world_size)]
 
