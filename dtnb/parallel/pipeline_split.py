@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/parallel.pipeline_split.html.md"""
 
 # %% ../../nbs/03b_parallel.pipeline_split.ipynb #36946b71
 from __future__ import annotations
-import copy, time, contextlib
+import copy, time, contextlib, weakref
 from dataclasses import dataclass, field
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from ..core.models import find_blocks
 
 # %% auto #0
 __all__ = ['pipeline_units', 'Skip', 'stage_module', 'balance_bounds', 'unit_times', 'PipelineSplit', 'split_model',
-           'output_logits', 'chain_problem', 'check_split', 'TracedStages', 'trace_stages']
+           'output_logits', 'chain_problem', 'check_split', 'TracedStages', 'trace_stages', 'traced_stage_tensors']
 
 # %% ../../nbs/03b_parallel.pipeline_split.ipynb #80c754c3
 def _as_tuple(x): return tuple(x) if isinstance(x, (tuple, list)) else (x,)
@@ -340,6 +340,20 @@ def _point_aliases(model, pipe, copies):
 def trace_stages(model:nn.Module, split:PipelineSplit, example, atol:float=1e-5) -> PipelineSplit:
     "`split` with stages traced by torch's `pipeline` on `example`, one microbatch; checked to reproduce `model`"
     with _no_cache(model): return _trace_stages(model, split, example, atol)
+
+_TRACED = weakref.WeakKeyDictionary()  # model -> {(cut, example shapes, parameter shapes): each stage's meta tensors}
+
+def traced_stage_tensors(model:nn.Module, split:PipelineSplit, example) -> list:
+    "[(parameters, buffers), ...] of each stage `trace_stages` makes, as meta tensors: traced once per cut and shape"
+    meta = lambda t: torch.empty(t.shape, dtype=t.dtype, device='meta', requires_grad=t.requires_grad)
+    key = (tuple(split.units), tuple(split.bounds), tuple((tuple(x.shape), x.dtype) for x in _as_tuple(example)),
+           tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()))
+    seen = _TRACED.setdefault(model, {})
+    if key not in seen:
+        pipe = trace_stages(model, split, example).trace.pipe
+        seen[key] = [([meta(p) for p in m.parameters()], [meta(b) for b in m.buffers()])
+                     for m in map(pipe.get_stage_module, range(split.n_stages))]
+    return seen[key]
 
 def _check_root_inputs(model, pipe, points):
     "torch's pipelining hands the model's inputs to the first stage only: a later stage may not read them"

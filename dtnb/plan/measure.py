@@ -16,9 +16,9 @@ from ..launcher.processes import launch
 from ..core.dist import current_device, rank_world
 from ..parallel.ddp import make_optimizer
 from ..parallel.wrap import wrap
-from .activations import SavedCounter, forward_batch, trace_activations
+from .activations import SavedCounter, forward_batch, trace_activations, takes_labels
 from .memory import check_setup, estimate_memory
-from ..parallel.pipeline import apply_pipeline, step_batch, Pipeline
+from ..parallel.pipeline import apply_pipeline, step_batch, Pipeline, causal_lm_loss
 from ..parallel.pipeline_split import output_logits
 from ..parallel.tensor import Degrees, parallelize
 from .memory import tp_local
@@ -110,6 +110,12 @@ def _stage_bytes(pipe, opt) -> dict:
 
 def _logits_loss(loss_fn, out, target): return loss_fn(output_logits(out), target)  # the pipeline's loss, on logits
 
+def _stage_loss(model, loss_fn):
+    "The loss a pipeline's last stage computes: `loss_fn`, or a causal LM's own (`labels=`) loss, `causal_lm_loss`"
+    if loss_fn is None and takes_labels(model) and getattr(model, 'can_generate', lambda: False)():
+        return causal_lm_loss
+    return loss_fn
+
 def _measure_pipeline(model, batch, optimizer, loss_fn, lr, dev, m0):
     "One 1F1B step of `model` cut by `apply_pipeline` over the ranks, one stage each; the bytes of this rank's stage"
     pipe = apply_pipeline(model, loss_fn, example=_pipeline_example(batch, dist.get_world_size()))
@@ -137,7 +143,8 @@ def _layout_step(model, batch, degrees, optimizer, precision, loss_fn, units, lr
     model = copy.deepcopy(model)
     if precision == 'bf16-true': model, batch = model.to(torch.bfloat16), cast_inputs(batch, torch.bfloat16)
     ex = _pipeline_example(batch, degrees.pp) if degrees.pp_enabled else None  # checks the cut; traces a non-chain
-    m = parallelize(model, degrees, loss_fn, layer_cls=units, device=dev, example=ex)
+    lf = _stage_loss(model, loss_fn) if degrees.pp_enabled else loss_fn
+    m = parallelize(model, degrees, lf, layer_cls=units, device=dev, example=ex)
     if isinstance(m, Pipeline): return _pipeline_bytes(m, batch, optimizer, lr, dev, m0)
     return _step_bytes(m, named_optimizer(m, optimizer, lr), batch, precision, loss_fn, units, dev, m0)
 
@@ -220,7 +227,7 @@ def _layout_estimates(model, batch, d, optimizer, precision, loss_fn, units):
     "estimate_memory of every rank of layout `d`, activations traced on the tp-local model (a pipeline's: scaled)"
     kw = dict(degrees=d, optimizer=optimizer, precision=precision, units=units)
     if d.pp_enabled:
-        lf = functools.partial(_logits_loss, loss_fn)  # as the last stage computes it
+        lf = functools.partial(_logits_loss, _stage_loss(model, loss_fn))  # as the last stage computes it
         ex = _pipeline_example(batch, d.pp)  # the microbatch parallelize cuts (and traces) the model on
         return [estimate_memory(model, batch=batch, loss_fn=lf, rank=r, example=ex, **kw) for r in range(d.world_size)]
     tr = trace_activations(tp_local(model, d.tp) if d.tp_enabled else model, batch, loss_fn, precision, units)

@@ -12,7 +12,7 @@ from torch import nn
 from ..core.utils import PRECISIONS, DEFAULT_PRECISION, check_precision, shard_numel, fmt_bytes, md_table, text_table
 from ..core.models import find_blocks
 from .activations import ActivationTrace, trace_activations
-from ..parallel.pipeline_split import split_model, chain_problem, trace_stages
+from ..parallel.pipeline_split import split_model, chain_problem, traced_stage_tensors
 from ..parallel.tensor import Degrees, tp_plan
 
 # %% auto #0
@@ -259,8 +259,7 @@ def stage_tensors(model, n_stages:int, stage:int, example=None) -> tuple:
     "(parameters, buffers) of stage `stage` of `model` cut as `apply_pipeline` cuts it (see `stage_sizes`)"
     split = split_model(model, n_stages, example=example)
     if example is not None and chain_problem(model, split, example):  # not a chain: apply_pipeline traces it
-        m = trace_stages(model, split, example).trace.pipe.get_stage_module(stage)
-        ps, bs = list(m.parameters()), list(m.buffers())
+        ps, bs = traced_stage_tensors(model, split, example)[stage]  # meta tensors, one trace for every stage
     else:
         mine, other = set(), set()
         for s in range(n_stages):
