@@ -16,7 +16,8 @@ from .memory import tp_linears
 from ..parallel.tensor import Degrees
 
 # %% auto #0
-__all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'Node', 'step_parts', 'step_time', 'memory_explorer']
+__all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'Node', 'step_parts', 'step_collectives', 'step_time',
+           'memory_explorer']
 
 # %% ../../nbs/04b_plan.recommend.ipynb #57e94ad1
 def _ladder(ws, activation_checkpointing=True):
@@ -215,6 +216,7 @@ class Node:
     flops:float=400e12           # achieved FLOP/s per device (H100 bf16: about 40% of the 989 TFLOPS peak)
     intra:float=450e9            # bytes/s of an all-reduce inside the node (NVLink)
     inter:float=50e9             # bytes/s across nodes (400 Gb/s)
+    latency:float=0.0            # seconds each collective or send costs beside its bytes (a tiny one's time; 0: none)
 
 def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISION, node:Node=Node(),
                activation_checkpointing:bool=False) -> dict:
@@ -230,7 +232,18 @@ def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISIO
     dp = (ar(d.dp_shard, 1.5 * g, link(d.tp * d.dp_shard)) +  # FSDP: reduce-scatter + the parameter gathers
           ar(d.dp_replicate, g / d.dp_shard, link(d.tp * d.dp)))  # replicas (DDP, HSDP): all-reduce of the shards
     pp = 2 * seqs * s * h * p.activations / node.inter if d.pp_enabled else 0
-    return dict(compute=compute, bubble=bubble, tp=tp, dp=dp, pp=pp)
+    n = step_collectives(shape, d, g / d.dp_shard)
+    return dict(compute=compute, bubble=bubble, tp=tp + n['tp'] * node.latency, dp=dp + n['dp'] * node.latency,
+                pp=pp + n['pp'] * node.latency)
+
+def step_collectives(shape:TransformerShape, d:Degrees, grad_bytes:float=0) -> dict:
+    "Collectives (pipeline: sends) one rank starts in a step, by part; each costs `Node.latency` beside its bytes"
+    mb, units = 2 * d.pp if d.pp_enabled else 1, shape.layers / d.pp + 1  # FSDP's and replicate's: blocks, the root
+    ddp = 1 + -(-max(0, grad_bytes - 2**20) // (25 * 2**20))  # DDP's buckets: 1 MiB first, then 25 MiB
+    rep = units if (d.tp_enabled or d.pp_enabled or d.dp_shard_enabled) else ddp
+    return dict(tp=4 * shape.layers / d.pp * mb * d.tp_enabled,  # two all-reduces forward, two backward, per layer
+                dp=3 * units * d.dp_shard_enabled + rep * d.dp_replicate_enabled,  # gather, gather, reduce-scatter
+                pp=2 * mb * d.pp_enabled)  # each microbatch's activations forward, their gradients back
 
 def step_time(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISION, node:Node=Node(),
               activation_checkpointing:bool=False) -> float:
