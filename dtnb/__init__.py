@@ -16,7 +16,7 @@ _API = '''
     schedule_order bubble_fraction
     Degrees parallelize tp_plan apply_tp data_rank
     estimate_memory recommend measure_memory trace_activations memory_explorer TransformerShape MemoryEstimate
-    layout_candidates step_time step_parts Node
+    layout_candidates step_time step_parts step_collectives Node
     MemoryPlan MemoryMeasurement
     find_batch_size BatchSize
     save_checkpoint load_checkpoint latest_checkpoint list_checkpoints checkpoint_path resumable
