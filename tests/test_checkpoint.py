@@ -25,6 +25,7 @@ def _run(args, timeout=240):
     return json.loads([l for l in r.stdout.splitlines() if l.startswith('{')][-1]), r.stdout + r.stderr
 
 
+@pytest.mark.long  # the resume tutorial kills and restarts the same script: bash run.sh test-long
 def test_sigkill_restart_resumes_bitwise(tmp_path):
     "One rank SIGKILLs itself at step 7 of 12; torchrun restarts the group; fit resumes at 6, ends as a clean run"
     from dtnb.launcher.processes import launch

@@ -66,6 +66,7 @@ def test_autograd_threads_after_export_and_backward_launch_still_trains():
         assert out['says'] == [] and out['forced'] == 'ran', out
 
 
+@pytest.mark.long  # a second fork-safety cause, 20 s: bash run.sh test-long
 def test_a_store_server_thread_makes_launch_spawn_and_say_why():
     out = _run("""
         import torch.distributed as dist

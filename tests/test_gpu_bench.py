@@ -15,6 +15,7 @@ def _script():
     return mod
 
 
+@pytest.mark.long  # a whole-tool run: bash run.sh test-long
 def test_cpu_path_runs_every_comparison(tmp_path):
     "`--device cpu --quick`: every section runs dtnb's benchmark beside the plain loop; the JSON holds both sides"
     env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')])}

@@ -145,6 +145,7 @@ def test_dtnb_launch_trains_and_equals_one_process():
     assert b['losses'][-1] < b['losses'][0]
 
 
+@pytest.mark.long  # two nodes (namespace hosts: the cluster tests): bash run.sh test-long
 def test_two_nodes_on_loopback():
     from dtnb.launcher.processes import free_port
     port = free_port()
@@ -160,6 +161,7 @@ def test_two_nodes_on_loopback():
     assert len(results) == 1 and results[0]['world_size'] == 2 and results[0]['steps'] == 3
 
 
+@pytest.mark.long  # torchrun restarts (elastic ones: the cluster tests): bash run.sh test-long
 def test_plain_torchrun_restarts_on_gloo_are_warned_about():
     "torchrun --max-restarts on gloo: init_distributed warns (rank 0) unless each restart gets a store of its own"
     from dtnb.launcher.processes import free_port

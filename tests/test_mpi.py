@@ -121,6 +121,7 @@ def hydra_vars(r, port):
                 MASTER_PORT=str(port))
 
 
+@pytest.mark.long  # srun's variables (a real SLURM: the cluster tests): bash run.sh test-long
 def test_srun_style_variables_train_and_equal_one_process(one_process):
     job = free_port_in(15000, 35000) - 15000  # SLURM's port is 15000 + job id % 20000: pick a job whose port is free
     outs = two_ranks([slurm_vars(r, job) for r in (0, 1)], TRAIN)

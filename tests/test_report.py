@@ -115,6 +115,7 @@ def test_env_html_in_browser(tmp_path, browser):
     assert errors == [] and failed == [] and tables >= 1
 
 
+@pytest.mark.long  # a whole-tool run (the quick report trains every strategy already): bash run.sh test-long
 def test_report_trains_a_cnn_in_every_strategy(tmp_path):
     "A CNN with BatchNorm from --model and --input-shape: plan, training and loader run on it; exit 0"
     r = dtnb('report', '--quick', '--model', 'models_cnn:cnn', '--input-shape', '3,32,32',
@@ -131,12 +132,16 @@ def test_report_trains_a_cnn_in_every_strategy(tmp_path):
     assert res['summary']['missing'] == {'bench': 'not run'}
 
 
-def test_report_batch_factory_and_bad_specs(tmp_path):
+@pytest.mark.long  # a whole-tool run: bash run.sh test-long
+def test_report_batch_factory(tmp_path):
     r = dtnb('report', '--quick', '--model', 'models_cnn:cnn', '--batch', 'models_cnn:make_batch',
              '--sections', 'plan', '--out', tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     plan = json.loads((tmp_path / 'results.json').read_text())['sections'][PLAN]['data']
     assert 'the batch from models_cnn:make_batch' in plan['model'] and 'traced from a batch' in plan['assumptions']
+
+
+def test_report_bad_specs(tmp_path):
     r = dtnb('report', '--quick', '--sections', 'training', '--model', 'nocolon', '--input-shape', '16', '--out',
              tmp_path)
     assert r.returncode == 1 and "use the form module:factory" in r.stdout
