@@ -1,6 +1,9 @@
 """Probe: dcp.save with torch's FileSystemWriter vs dtnb's summing writer vs save_checkpoint, 2 ranks, interleaved.
 
-    python benchmarks/probe_save.py [--rounds 9] [--variants plain,summing,dtnb]
+    python benchmarks/probe_save.py [--rounds 9] [--variants plain,summing,nocrc,dtnb]
+
+variants: plain (torch's FileSystemWriter), nosync (the same, sync_files=False), summing (dtnb's writer, torch.save's
+CRC32 on), nocrc (dtnb's writer as a synchronous save uses it), dtnb (save_checkpoint). The first is the baseline.
 """
 import argparse, os, shutil, statistics, tempfile, time
 from pathlib import Path
