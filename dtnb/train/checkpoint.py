@@ -184,7 +184,7 @@ def _write_file(data:bytes, path, sums:dict):
     with open(path, 'wb') as f: f.write(data)
     s = _Sum(); s.update(data); sums[Path(path).name] = s.value()
 
-def _summing_writer(path, sums:dict):
+def _summing_writer(path, sums:dict, zip_crc:bool=True):
     "DCP's FileSystemWriter into `path` that puts the checksum of each file it writes into `sums`, as it writes"
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystem
@@ -198,7 +198,12 @@ def _summing_writer(path, sums:dict):
         def rename(self, p, new):  # DCP writes .metadata.tmp, then renames it to .metadata
             super().rename(p, new)
             if Path(p).name in sums: sums[Path(new).name] = sums.pop(Path(p).name)
-    writer = dcp.FileSystemWriter(str(path))
+    class _Writer(dcp.FileSystemWriter):  # zip_crc=False: no CRC32 per record from torch.save (`sums` cover them)
+        def write_data(self, plan, planner):  # torch's switch is process-wide: off only while the data is written
+            old = torch.serialization.get_crc32_options(); torch.serialization.set_crc32_options(old and zip_crc)
+            try: return super().write_data(plan, planner)
+            finally: torch.serialization.set_crc32_options(old)
+    writer = _Writer(str(path))
     if isinstance(getattr(writer, 'fs', None), FileSystem): writer.fs = _Fs()  # else: the files are read to hash
     return writer
 
@@ -254,7 +259,7 @@ def _commit(tmp:Path, path:Path, meta:dict, files:dict, keep:int|None):
     if keep: prune_checkpoints(path.parent, keep, protect=path)
 
 def _write(path:Path, sd:dict, bufs:dict, rankfile:dict, extra:bytes|None, meta:dict, keep:int|None,
-           group=None) -> str|None:
+           group=None, zip_crc:bool=True) -> str|None:
     "Every rank: agree on `path`, write into a temporary directory; then rank 0 commits. Returns rank 0's problem"
     import torch.distributed.checkpoint as dcp
     r, ws = rank_world()
@@ -271,8 +276,8 @@ def _write(path:Path, sd:dict, bufs:dict, rankfile:dict, extra:bytes|None, meta:
         if r == 0: _write_file(extra, mine[1], sums)
         pool = ThreadPoolExecutor(1, thread_name_prefix='dtnb-fsync')  # fsynced beside DCP's writes
         synced = [pool.submit(_fsync, p) for p in mine]; pool.shutdown(wait=False)
-        with quiet():
-            dcp.save(sd, storage_writer=_summing_writer(tmp, sums), process_group=group, no_dist=dist_or_none() is None)
+        writer = _summing_writer(tmp, sums, zip_crc)
+        with quiet(): dcp.save(sd, storage_writer=writer, process_group=group, no_dist=dist_or_none() is None)
         for s in synced: s.result()
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if r == 0: shutil.rmtree(tmp, ignore_errors=True)
@@ -344,7 +349,7 @@ def save_checkpoint(path,                        # directory to create, e.g. che
                 saved_at=time.time(), torch=torch.__version__, extra=sorted(extra))
     args = (rankfile, _pt_bytes(extra) if r == 0 else None, meta, keep)
     if async_save: return AsyncSave(path, sd, bufs, *args)
-    agree(_write(path, sd, bufs, *args), CheckpointError)
+    agree(_write(path, sd, bufs, *args, zip_crc=False), CheckpointError)  # the caller waits: no CRC32 (_summing_writer)
     return path
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c033
