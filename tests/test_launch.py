@@ -131,14 +131,18 @@ print("DONE", len(bad), len(left), round(time.monotonic() - t0, 1))
 
 
 def test_dtnb_launch_trains_and_equals_one_process():
-    one = subprocess.run([PY, 'examples/train.py', '--steps', '6'], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                         timeout=120)
-    assert one.returncode == 0, one.stderr
-    # `python -m dtnb` is the `dtnb` command; `-m module` runs a module as torchrun does (script files: the next test)
-    two = subprocess.run([PY, '-m', 'dtnb', 'launch', '-n', '2', '-m', 'examples.train', '--steps', '6'], cwd=ROOT,
-                         env=ENV, capture_output=True, text=True, timeout=180)
+    # the one-process reference runs beside the launch (one process, no port: the two cannot meet)
+    one = subprocess.Popen([PY, 'examples/train.py', '--steps', '6'], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        # `python -m dtnb` is the `dtnb` command; `-m module` runs a module as torchrun does (script files: next test)
+        two = subprocess.run([PY, '-m', 'dtnb', 'launch', '-n', '2', '-m', 'examples.train', '--steps', '6'], cwd=ROOT,
+                             env=ENV, capture_output=True, text=True, timeout=180)
+        one_out, one_err = one.communicate(timeout=120)
+    finally: one.kill()
+    assert one.returncode == 0, one_err
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = json.loads(one.stdout.strip().splitlines()[-1]), json.loads(two.stdout.strip().splitlines()[-1])
+    a, b = json.loads(one_out.strip().splitlines()[-1]), json.loads(two.stdout.strip().splitlines()[-1])
     assert (a['world_size'], b['world_size']) == (1, 2)
     assert b['losses'] == pytest.approx(a['losses'], abs=1e-5)
     assert b['checksum'] == pytest.approx(a['checksum'], abs=1e-4)

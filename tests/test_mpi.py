@@ -185,13 +185,21 @@ def test_missing_address_is_a_named_error(monkeypatch, env, how):
 
 
 def test_rendezvous_never_hangs():
-    "A rank whose peers never come stops after rdzv_timeout with a named error"
+    "A rank whose peers never come stops after rdzv_timeout with a named error (rank 0 and rank 1 alone, side by side)"
     code = 'import dtnb; dtnb.init_distributed(rdzv_timeout=2)'
-    for r in (0, 1):
-        t = time.monotonic()
-        env = clean_env(OMPI_COMM_WORLD_RANK=str(r), OMPI_COMM_WORLD_SIZE='2', OMPI_COMM_WORLD_LOCAL_RANK=str(r),
-                        OMPI_COMM_WORLD_LOCAL_SIZE='2', MASTER_PORT=str(free_port()))
-        p = subprocess.run([PY, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-        assert p.returncode != 0 and time.monotonic() - t < 30
+    ports = [free_port()]
+    while (p := free_port()) == ports[0]: pass  # two ports: the two lone ranks must not meet each other
+    ports.append(p)
+    t = time.monotonic()
+    procs = [subprocess.Popen([PY, '-c', code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=clean_env(OMPI_COMM_WORLD_RANK=str(r), OMPI_COMM_WORLD_SIZE='2',
+                                            OMPI_COMM_WORLD_LOCAL_RANK=str(r), OMPI_COMM_WORLD_LOCAL_SIZE='2',
+                                            MASTER_PORT=str(ports[r]))) for r in (0, 1)]
+    try: errs = [p.communicate(timeout=60)[1] for p in procs]
+    finally:
+        for p in procs: p.kill()
+    assert time.monotonic() - t < 30
+    for r, (p, err) in enumerate(zip(procs, errs)):
+        assert p.returncode != 0, err[-2000:]
         assert f"RendezvousError: rank {r} of 2 (mpirun (Open MPI)) could not meet the other ranks at 127.0.0.1" \
-            in p.stderr, p.stderr[-2000:]
+            in err, err[-2000:]
