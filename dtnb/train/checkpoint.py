@@ -215,10 +215,16 @@ def _summing_writer(path, sums:dict, zip_crc:bool=True, local=None, commit=None)
             fut = torch.futures.Future(); fut.set_result([*res, WriteResult(MetadataIndex(_FILES), 0, written())])
             return fut
         def finish(self, metadata, results):
-            files = {}
-            for rs in results: files.update(*[w.storage_data for w in rs if w.index.fqn == _FILES][:1])
+            ranks = [next((w.storage_data for w in rs if w.index.fqn == _FILES), {}) for rs in results]
+            names = {p.name for p in Path(path).iterdir() if p.is_file()}
+            if unseen := [f"rank {r}'s {', '.join(sorted(set(f) - names))}" for r, f in enumerate(ranks)
+                          if set(f) - names]:  # ranks in the group's order
+                raise CheckpointError(f"nothing was saved: rank 0 cannot see {'; '.join(unseen)} in "
+                                      f"{Path(path).parent}: save to a directory every host shares (NFS, Lustre, ...), "
+                                      "not each host's own disk")
             super().finish(metadata, [[w for w in rs if w.index.fqn != _FILES] for rs in results])
-            known, names = {**written(), **files}, sorted(p.name for p in Path(path).iterdir() if p.is_file())
+            known = {k: v for f in ranks for k, v in f.items()} | written()
+            names = sorted(p.name for p in Path(path).iterdir() if p.is_file())
             if commit: commit({n: known.get(n) or [os.path.getsize(Path(path) / n), file_checksum(Path(path) / n)]
                                for n in names})  # known: as written, .metadata too; any other file is hashed now
     writer = _Writer(str(path))
@@ -276,7 +282,8 @@ def _write(path:Path, sd:dict, bufs:dict, rankfile:dict, extra:bytes|None, meta:
     try:
         with quiet(): dcp.save(sd, storage_writer=writer, process_group=group, no_dist=dist_or_none() is None)
     except BaseException as e:  # DCP's CheckpointException is a BaseException; DCP told every rank
-        if r == 0: shutil.rmtree(tmp, ignore_errors=True)
+        if r == 0 or hasattr(e, 'failures'):  # DCP's verdict: rank 0 will not commit (a host's own disk holds a part)
+            shutil.rmtree(tmp, ignore_errors=True)
         raise _save_error(path, e) from e
 
 
