@@ -19,7 +19,8 @@ from .checkpoint import file_checksum, load_pt, rank_file, wait_pending, set_sta
 from .checkpoint import live_buffers, local_shapes, merge_shapes
 
 # %% auto #0
-__all__ = ['check_metadata', 'safe_dcp', 'mismatch', 'verify_checkpoint', 'resolve', 'Checkpoint', 'load_checkpoint']
+__all__ = ['check_metadata', 'safe_dcp', 'mismatch', 'verify_checkpoint', 'resolve', 'latest_everywhere', 'Checkpoint',
+           'load_checkpoint']
 
 # %% ../../nbs/05c_train.checkpoint_load.ipynb #8e478cf0
 _META_CLASSES = {('torch', 'Size'), ('torch.serialization', '_get_layout'), ('collections', 'OrderedDict'),
@@ -160,6 +161,17 @@ def resolve(path) -> Path:
         why = f" (partial: {_few(Path(c['path']).name for c in partial)})" if partial else ''
         raise CheckpointError(f"{p} holds no complete checkpoint" + why)
     return latest
+
+def latest_everywhere(root) -> Path|None:
+    "The newest complete checkpoint in `root`, the same on every rank, or None on all (a collective): else raise"
+    last = latest_checkpoint(root)
+    found = all_gather_objects(str(last) if last else None)
+    if len(set(found)) > 1:
+        raise CheckpointError(f"the ranks found different newest checkpoints in {root} (" + ', '.join(
+            f"rank {i}: {Path(f).name if f else 'none'}" for i, f in enumerate(found)) + "): resume from a "
+            "directory every host shares (NFS, Lustre, ...)")
+    return last
+
 
 # %% ../../nbs/05c_train.checkpoint_load.ipynb #0927e270
 @dataclass
