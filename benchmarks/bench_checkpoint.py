@@ -1,6 +1,6 @@
 """Checkpoint costs on 2 ranks (DDP, AdamW), measured side by side in one run. Prints figures; not a test.
 
-    python benchmarks/bench_checkpoint.py [--d 512] [--depth 8] [--repeats 3] [--dir /tmp]
+    python benchmarks/bench_checkpoint.py [--d 512] [--depth 8] [--repeats 9] [--dir /tmp]
 
 - save: dtnb's atomic save (DCP shards + RNG + marker with checksums) vs torch's DCP save of the same state alone
   (what dtnb adds) vs a plain torch.save of the full model+optimizer state on rank 0 (what a hand-written loop does);
@@ -39,11 +39,13 @@ def _bench(root, d, depth, repeats):
     r = {}
     sd = state_dicts(model, opt)[0]
     def pair(a, b):
-        "Interleaved runs of a and b (which goes first alternates): the median time of each, the median ratio a/b"
+        """Interleaved runs of a and b (which goes first alternates): the median time of each, the median ratio a/b;
+        the times of every pair kept in r['pairs'] (the fastest of each side: see main)"""
         ta, tb = [], []
         for i in range(repeats):
             for f, out in ((a, ta), (b, tb))[::(1 if i % 2 else -1)]:
                 barrier(); t = time.perf_counter(); f(i); barrier(); out.append(time.perf_counter() - t)
+        r.setdefault('pairs', []).append(list(zip(ta, tb)))
         return statistics.median(ta), statistics.median(tb), statistics.median(x / y for x, y in zip(ta, tb))
     r['save'], r['dcp'], r['save_ratio'] = pair(
         lambda i: save_checkpoint(checkpoint_path(root / 'dtnb', i), model, opt, step=i),  # no pruning: dcp.save has none
@@ -113,7 +115,7 @@ def _phases(root, model, opt, repeats):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument('--d', type=int, default=512); ap.add_argument('--depth', type=int, default=8)
-    ap.add_argument('--repeats', type=int, default=5); ap.add_argument('--dir', default=None)
+    ap.add_argument('--repeats', type=int, default=9); ap.add_argument('--dir', default=None)
     a = ap.parse_args()
     from dtnb.launcher.processes import launch
     n = sum(p.numel() for p in _model(a.d, a.depth).parameters())
@@ -124,7 +126,7 @@ def main():
     print(f"ToyModel d={a.d} depth={a.depth}: {n / 1e6:.1f} M parameters; AdamW; 2 ranks (DDP, gloo); median of {a.repeats}, dtnb and torch interleaved")
     print(f"  checkpoint size (model + optimizer + RNG)  {mb:8.1f} MiB")
     print(f"  save, dtnb (atomic, 2 ranks write)         {r['save']:8.3f} s   {mb / r['save']:7.0f} MiB/s")
-    print(f"  save, DCP alone (dcp.save, same state)     {r['dcp']:8.3f} s   {mb / r['dcp']:7.0f} MiB/s   dtnb adds {r['save'] / r['dcp'] - 1:+.0%}")
+    print(f"  save, DCP alone (dcp.save, same state)     {r['dcp']:8.3f} s   {mb / r['dcp']:7.0f} MiB/s")
     print(f"  save, plain torch.save on rank 0           {r['torch_save']:8.3f} s   {mb / r['torch_save']:7.0f} MiB/s   ratio dtnb/plain {r['save'] / r['torch_save']:.2f}")
     print(f"  save, plain torch.save + fsync on rank 0   {r['torch_save_fsync']:8.3f} s   {mb / r['torch_save_fsync']:7.0f} MiB/s   ratio dtnb/plain {r['save'] / r['torch_save_fsync']:.2f}")
     print(f"  {r['hash_kind']:7} of all files on one rank           {r['crc_all']:8.3f} s   {mb / r['crc_all']:7.0f} MiB/s   ({100 * r['crc_all'] / 2 / r['save']:.0f}% of a save, split over 2 ranks)")
@@ -132,11 +134,17 @@ def main():
     print(f"  the copy to CPU alone (DCP's staging)     {r['staging']:8.3f} s")
     print(f"  async save: until committed               {r['async_total']:8.3f} s")
     print(f"  load, verified (sizes + checksums)         {r['load_verify']:8.3f} s")
-    print(f"  load, verify=False                         {r['load_noverify']:8.3f} s   verification overhead {r['load_verify'] / r['load_noverify'] - 1:+.0%}")
-    print(f"  ratios (median of interleaved pairs; targets of issue 27 in brackets):")
-    print(f"    save, dtnb / dcp.save                    {r['save_ratio']:8.2f}   (<= 1.15)")
-    print(f"    load, verified / verify=False            {r['load_ratio']:8.2f}   (<= 1.15)")
+    print(f"  load, verify=False                         {r['load_noverify']:8.3f} s")
+    fast = [min(a for a, _ in p) / min(b for _, b in p) for p in r['pairs']]  # save, load
+    print(f"  ratios from the same interleaved pairs (the times above are the medians of each side):")
+    print(f"                                          fastest/fastest   median pair   median/median   target (issue 27)")
+    print(f"    save, dtnb / dcp.save                    {fast[0]:8.2f}      {r['save_ratio']:8.2f}        {r['save'] / r['dcp']:8.2f}        <= 1.15")
+    print(f"    load, verified / verify=False            {fast[1]:8.2f}      {r['load_ratio']:8.2f}        {r['load_verify'] / r['load_noverify']:8.2f}        <= 1.15")
     print(f"    async save blocked / synchronous save    {r['async_blocked'] / r['save']:8.2f}   (the copy to CPU only)")
+    print(f"  the fastest of each side is the measure of the cost: on a shared VM the noise only adds time, in steps of")
+    print(f"  0.1 to 0.3 s here, which the medians catch on one side or the other (timeit's docs say the same of min)")
+    for name, p in zip(('save (dtnb/dcp)', 'load (verified/not)'), r['pairs']):
+        print(f"  pairs, {name:19} " + ' '.join(f"{a:.3f}/{b:.3f}" for a, b in p))
     print(f"  where a save's time goes on rank 0 (mean of {a.repeats}; nested steps overlap):")
     for k, v in sorted(r['phases'].items(), key=lambda kv: -kv[1]):
         print(f"    {k:42} {v * 1e3:8.1f} ms   {v / r['phases']['total']:6.1%}")

@@ -218,3 +218,59 @@ def test_stateful_dataloader_resumed_to_the_end_of_a_pass_counts_its_epochs(tmp_
     dl = sdl.StatefulDataLoader(list(range(12)), batch_size=2, num_workers=2)  # with workers: the snapshot's count
     it = iter(dl); _ = [next(it) for _ in range(3)]
     assert batches_served(dl) == 3
+
+
+def _own_disk(d):
+    "Mount an empty tmpfs over `d` for this process alone: a host whose checkpoint directory is its own disk"
+    import ctypes, ctypes.util
+    libc = ctypes.CDLL(ctypes.util.find_library('c'), use_errno=True)
+    CLONE_NEWNS, MS_REC, MS_PRIVATE = 0x20000, 0x4000, 1 << 18
+    if (libc.unshare(CLONE_NEWNS) or libc.mount(b'none', b'/', None, MS_REC | MS_PRIVATE, None)
+            or libc.mount(b'tmpfs', str(d).encode(), b'tmpfs', 0, None)):
+        return os.strerror(ctypes.get_errno())
+
+
+def _hosts_without_a_shared_dir(root):
+    "Rank 1 sees its own empty `root/own`: it loads, saves, loads what differs from rank 0's, resumes a fit"
+    from dtnb.core.dist import rank
+    from dtnb.core.models import ToyModel, toy_data
+    from dtnb.parallel.ddp import distributed_loader
+    from dtnb.train.loop import fit
+    from dtnb.parallel.wrap import wrap
+    from dtnb.train.checkpoint import save_checkpoint, checkpoint_path, CheckpointError
+    from dtnb.train.checkpoint_load import load_checkpoint
+    root = Path(root)
+    if rank() == 1 and (why := _own_disk(root / 'own')): return why
+    model = wrap(ToyModel(), 'ddp')
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    msgs = []
+    loader = distributed_loader(toy_data(32), batch_size=8)
+    for f in (lambda: load_checkpoint(root / 'own' / 'ck', model, opt),
+              lambda: save_checkpoint(checkpoint_path(root / 'own' / 'new', 1), model, opt, step=1),
+              lambda: load_checkpoint(root / ('a' if rank() == 0 else 'b'), model, opt),
+              lambda: fit(model, loader, opt, max_steps=1, progress=False, checkpoint_dir=root / 'own' / 'ck')):
+        try: f(); msgs.append('done')
+        except CheckpointError as e: msgs.append(str(e))
+    return msgs, sorted(os.listdir(root / 'own' / 'new'))
+
+
+def test_hosts_without_a_shared_directory_are_told_on_every_rank(tmp_path):
+    "A checkpoint directory that is each host's own disk: loading and saving raise on every rank, naming it, no hang"
+    from dtnb.core.models import ToyModel
+    from dtnb.launcher.processes import launch
+    from dtnb.train.checkpoint import save_checkpoint, checkpoint_path
+    if os.geteuid() != 0: pytest.skip("a rank's own view of a directory needs root (unshare and mount)")
+    m = ToyModel()
+    for d in ('own/ck', 'a', 'b'): save_checkpoint(checkpoint_path(tmp_path / d, 1), m, step=1)  # one process
+    out = launch(_hosts_without_a_shared_dir, str(tmp_path), nprocs=2)
+    if isinstance(out[1], str): pytest.skip(f"no mount namespace for a rank here: {out[1]}")
+    (load, save, mixed, resume), (load1, save1, mixed1, resume1) = out[0][0], out[1][0]
+    assert (load, save, mixed, resume) == (load1, save1, mixed1, resume1)
+    assert load.startswith("nothing was loaded; rank 1: FileNotFoundError: checkpoint ") and "does not exist" in load
+    assert load.endswith("the other ranks could: load from a directory every host shares (NFS, Lustre, ...)")
+    assert save == (f"nothing was saved: rank 0 cannot see rank 1's __1_0.distcp, rank_00001.pt in {tmp_path}/own/new: "
+                    "save to a directory every host shares (NFS, Lustre, ...), not each host's own disk")
+    assert "the ranks found different checkpoints" in mixed and "pass the same one on every rank" in mixed, mixed
+    assert resume == (f"the ranks found different newest checkpoints in {tmp_path}/own/ck (rank 0: step_00000001, "
+                      "rank 1: none): resume from a directory every host shares (NFS, Lustre, ...)"), resume
+    assert out[0][1] == out[1][1] == []  # no temporary directory left on either "host"

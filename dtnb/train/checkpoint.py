@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/train.checkpoint.html.md"""
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c002
 from __future__ import annotations
-import io, os, re, json, time, uuid, zlib, shutil, warnings, contextlib, collections
+import io, os, re, json, time, uuid, zlib, shutil, warnings, contextlib
 from ..core.logs import CheckpointWarning
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +15,7 @@ import torch, xxhash
 from torch import nn
 from ..core.utils import md_table, text_table
 from ..core.dist import dist_or_none, rank_world, all_gather_objects, agree
-from .resume_state import rng_state
+from .resume_state import rng_state, check_loadable
 
 # %% auto #0
 __all__ = ['FORMAT', 'VERSION', 'MARKER', 'CHECKSUM', 'CheckpointError', 'checkpoint_path', 'rank_file', 'quiet', 'state_dicts',
@@ -184,10 +184,15 @@ def _write_file(data:bytes, path, sums:dict):
     with open(path, 'wb') as f: f.write(data)
     s = _Sum(); s.update(data); sums[Path(path).name] = s.value()
 
-def _summing_writer(path, sums:dict, zip_crc:bool=True):
-    "DCP's FileSystemWriter into `path` that puts the checksum of each file it writes into `sums`, as it writes"
+_FILES = '\0dtnb: files'  # the WriteResult that carries a rank's {file: [size, checksum]} to DCP's coordinator
+
+def _summing_writer(path, sums:dict, zip_crc:bool=True, local=None, commit=None):
+    """DCP's FileSystemWriter into `path` that puts the checksum of each file it writes into `sums`, as it writes;
+    runs `local()` first in DCP's write step, and `commit({file: [size, checksum]})` on the coordinator in its finish"""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystem
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
     class _Fs(FileSystem):
         @contextlib.contextmanager
         def create_stream(self, p, mode):
@@ -198,11 +203,30 @@ def _summing_writer(path, sums:dict, zip_crc:bool=True):
         def rename(self, p, new):  # DCP writes .metadata.tmp, then renames it to .metadata
             super().rename(p, new)
             if Path(p).name in sums: sums[Path(new).name] = sums.pop(Path(p).name)
+    def written(): return {n: [os.path.getsize(Path(path) / n), c] for n, c in sums.items()}
     class _Writer(dcp.FileSystemWriter):  # zip_crc=False: no CRC32 per record from torch.save (`sums` cover them)
-        def write_data(self, plan, planner):  # torch's switch is process-wide: off only while the data is written
-            old = torch.serialization.get_crc32_options(); torch.serialization.set_crc32_options(old and zip_crc)
-            try: return super().write_data(plan, planner)
+        def write_data(self, plan, planner):
+            done = local() if local else None
+            old = torch.serialization.get_crc32_options()  # process-wide: off only while the data is written
+            torch.serialization.set_crc32_options(old and zip_crc)
+            try: res = super().write_data(plan, planner).wait()
             finally: torch.serialization.set_crc32_options(old)
+            if done: done()
+            fut = torch.futures.Future(); fut.set_result([*res, WriteResult(MetadataIndex(_FILES), 0, written())])
+            return fut
+        def finish(self, metadata, results):
+            ranks = [next((w.storage_data for w in rs if w.index.fqn == _FILES), {}) for rs in results]
+            names = {p.name for p in Path(path).iterdir() if p.is_file()}
+            if unseen := [f"rank {r}'s {', '.join(sorted(set(f) - names))}" for r, f in enumerate(ranks)
+                          if set(f) - names]:  # ranks in the group's order
+                raise CheckpointError(f"nothing was saved: rank 0 cannot see {'; '.join(unseen)} in "
+                                      f"{Path(path).parent}: save to a directory every host shares (NFS, Lustre, ...), "
+                                      "not each host's own disk")
+            super().finish(metadata, [[w for w in rs if w.index.fqn != _FILES] for rs in results])
+            known = {k: v for f in ranks for k, v in f.items()} | written()
+            names = sorted(p.name for p in Path(path).iterdir() if p.is_file())
+            if commit: commit({n: known.get(n) or [os.path.getsize(Path(path) / n), file_checksum(Path(path) / n)]
+                               for n in names})  # known: as written, .metadata too; any other file is hashed now
     writer = _Writer(str(path))
     if isinstance(getattr(writer, 'fs', None), FileSystem): writer.fs = _Fs()  # else: the files are read to hash
     return writer
@@ -214,38 +238,9 @@ def load_pt(path):
     except Exception as e: raise CheckpointError(f"{path} cannot be read safely ({type(e).__name__}: "
                                                  f"{str(e).splitlines()[0][:300]})") from None
 
-# %% ../../nbs/05b_train.checkpoint.ipynb #c028
-_PLAIN = (int, float, bool, str, bytes, type(None), torch.Tensor, nn.Parameter, torch.Size, torch.dtype, torch.device)
-
-def _check_extra(x, where='extra'):
-    "Refuse a value `torch.load(weights_only=True)` could not read back, naming it"
-    if type(x) in (dict, collections.OrderedDict):
-        for k, v in x.items():
-            if type(k) not in (str, int):
-                raise TypeError(f"{where} has a key {k!r} of type {type(k).__name__}: use str or int keys")
-            _check_extra(v, f"{where}[{k!r}]")
-    elif type(x) in (list, tuple):
-        for i, v in enumerate(x): _check_extra(v, f"{where}[{i}]")
-    elif type(x) not in _PLAIN:
-        raise TypeError(f"{where} is a {type(x).__module__}.{type(x).__name__}, which a checkpoint cannot hold: "
-                        "everything is loaded back with weights_only=True, so use tensors, numbers, strings, None "
-                        "and lists/tuples/dicts of them (for an object with state, pass obj.state_dict())")
-
 # %% ../../nbs/05b_train.checkpoint.ipynb #c029
-def _hash_files(tmp:Path, known:dict, group=None) -> dict:
-    "{file: [size, checksum]} of every file in `tmp`: those ranks `known` as they wrote, the rest hashed. A collective"
-    r, ws = rank_world()
-    names, files = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != MARKER), {}
-    for part in all_gather_objects({n: [os.path.getsize(tmp / n), c] for n, c in known.items() if n in names}, group):
-        files.update(part)
-    rest = [n for n in names if n not in files]  # none with torch's FileSystemWriter; else each rank hashes a share
-    if rest:
-        mine = {n: [os.path.getsize(tmp / n), file_checksum(tmp / n)] for n in rest[r::ws]}
-        for part in all_gather_objects(mine, group): files.update(part)
-    return {n: files[n] for n in names}  # no file is touched after the last gather: rank 0 then renames `tmp`
-
 def _commit(tmp:Path, path:Path, meta:dict, files:dict, keep:int|None):
-    "Write the marker into `tmp`, then rename it to `path`: the checkpoint now exists (rank 0 only)"
+    "Write the marker into `tmp`, then rename it to `path`: the checkpoint now exists (rank 0 only); then prune"
     with open(tmp / MARKER, 'w') as f:
         json.dump({**meta, 'files': files}, f, indent=1); f.flush(); os.fsync(f.fileno())
     _fsync_dir(tmp)
@@ -253,14 +248,21 @@ def _commit(tmp:Path, path:Path, meta:dict, files:dict, keep:int|None):
     if path.exists():  # saving the same step again: the new one replaces it
         old = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:12]}")
         os.rename(path, old)
-    os.replace(tmp, path)
+    try: os.replace(tmp, path)
+    except BaseException:
+        if old is not None: os.rename(old, path)  # the checkpoint saved before is back in its place
+        raise
     _fsync_dir(path.parent)
     if old is not None: shutil.rmtree(old, ignore_errors=True)
-    if keep: prune_checkpoints(path.parent, keep, protect=path)
+    try:
+        if keep: prune_checkpoints(path.parent, keep, protect=path)
+    except Exception as e:
+        raise CheckpointError(f"{path} was saved, but removing older checkpoints failed: "
+                              f"{type(e).__name__}: {e}") from None
 
 def _write(path:Path, sd:dict, bufs:dict, rankfile:dict, extra:bytes|None, meta:dict, keep:int|None,
-           group=None, zip_crc:bool=True) -> str|None:
-    "Every rank: agree on `path`, write into a temporary directory; then rank 0 commits. Returns rank 0's problem"
+           group=None, zip_crc:bool=True):
+    "Every rank: agree on `path`, write into a temporary directory; rank 0 commits in DCP's finish. Raises on all ranks"
     import torch.distributed.checkpoint as dcp
     r, ws = rank_world()
     parts = all_gather_objects((str(path), uuid.uuid4().hex[:12], local_shapes(sd), bufs), group)  # one gather
@@ -268,24 +270,22 @@ def _write(path:Path, sd:dict, bufs:dict, rankfile:dict, extra:bytes|None, meta:
         raise ValueError(f"{', '.join(wrong)} but rank 0 to {parts[0][0]}: pass the same path on every rank")
     meta = {'optim': None, **meta, **merge_shapes(p[2] for p in parts)}
     own = _rank0_buffers(sd, bufs, [p[3] for p in parts], group)  # the checkpoint: rank 0's buffers; rank files: own
-    tmp = path.with_name(f"{path.name}.tmp-{parts[0][1]}")
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{parts[0][1]}")  # DCP creates it
     sums, mine = {}, [tmp / rank_file(r)] + ([tmp / 'extra.pt'] if r == 0 else [])
-    try:
+    def local():  # in DCP's write step
         _write_file(_pt_bytes({**rankfile, 'buffers': own}), mine[0], sums)
         if r == 0: _write_file(extra, mine[1], sums)
         pool = ThreadPoolExecutor(1, thread_name_prefix='dtnb-fsync')  # fsynced beside DCP's writes
         synced = [pool.submit(_fsync, p) for p in mine]; pool.shutdown(wait=False)
-        writer = _summing_writer(tmp, sums, zip_crc)
+        return lambda: [s.result() for s in synced]
+    writer = _summing_writer(tmp, sums, zip_crc, local, lambda files: _commit(tmp, path, meta, files, keep))
+    try:
         with quiet(): dcp.save(sd, storage_writer=writer, process_group=group, no_dist=dist_or_none() is None)
-        for s in synced: s.result()
-    except BaseException as e:  # DCP's CheckpointException is a BaseException
-        if r == 0: shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException; DCP told every rank
+        if r == 0 or hasattr(e, 'failures'):  # DCP's verdict: rank 0 will not commit (a host's own disk holds a part)
+            shutil.rmtree(tmp, ignore_errors=True)
         raise _save_error(path, e) from e
-    files = _hash_files(tmp, sums, group)
-    if r != 0: return None
-    try: _commit(tmp, path, meta, files, keep)
-    except Exception as e: return f"committing checkpoint {path} failed: {type(e).__name__}: {e}"
+
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c030
 class AsyncSave:
@@ -306,7 +306,7 @@ class AsyncSave:
     def wait(self) -> Path:
         "Wait until the checkpoint is committed (or raise why it was not). A collective"
         if self in _PENDING: _PENDING.remove(self)
-        try: problem = self._future.result()
+        try: problem = self._future.result()  # None
         except BaseException as e:
             problem = str(e) if isinstance(e, CheckpointError) else (f"background save of {self.path} failed: "
                                                                      f"{type(e).__name__}: {e}")
@@ -320,6 +320,7 @@ def _save_error(path, e):
     "A CheckpointError naming the ranks whose write failed and why (from DCP's CheckpointException)"
     fails = getattr(e, 'failures', None)
     if not fails: return e
+    if ours := [x[0] for x in fails.values() if isinstance(x[0], CheckpointError)]: return ours[0]  # says it all
     why = '; '.join(f"rank {r}: {type(x[0]).__name__}: {x[0]}" for r, x in sorted(fails.items()))
     return CheckpointError(f"saving {path} failed, nothing was saved (earlier checkpoints are intact): {why}")
 
@@ -335,7 +336,7 @@ def save_checkpoint(path,                        # directory to create, e.g. che
     "Save model, optimizer, step, RNG and data position on every rank (a collective); `path` appears only complete"
     path = Path(path)
     wait_pending()
-    _check_extra(extra)
+    check_loadable(extra)
     if loader is not None and not callable(getattr(loader, 'state_dict', None)):
         raise TypeError(f"loader={type(loader).__name__} cannot report its position: wrap it with "
                         "resumable(loader) before iterating")
@@ -349,7 +350,7 @@ def save_checkpoint(path,                        # directory to create, e.g. che
                 saved_at=time.time(), torch=torch.__version__, extra=sorted(extra))
     args = (rankfile, _pt_bytes(extra) if r == 0 else None, meta, keep)
     if async_save: return AsyncSave(path, sd, bufs, *args)
-    agree(_write(path, sd, bufs, *args, zip_crc=False), CheckpointError)  # the caller waits: no CRC32 (_summing_writer)
+    _write(path, sd, bufs, *args, zip_crc=False)  # the caller waits: no CRC32 (_summing_writer)
     return path
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c033

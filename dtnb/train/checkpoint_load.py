@@ -19,7 +19,8 @@ from .checkpoint import file_checksum, load_pt, rank_file, wait_pending, set_sta
 from .checkpoint import live_buffers, local_shapes, merge_shapes
 
 # %% auto #0
-__all__ = ['check_metadata', 'safe_dcp', 'mismatch', 'verify_checkpoint', 'resolve', 'Checkpoint', 'load_checkpoint']
+__all__ = ['check_metadata', 'safe_dcp', 'mismatch', 'verify_checkpoint', 'resolve', 'latest_everywhere', 'Checkpoint',
+           'load_checkpoint']
 
 # %% ../../nbs/05c_train.checkpoint_load.ipynb #8e478cf0
 _META_CLASSES = {('torch', 'Size'), ('torch.serialization', '_get_layout'), ('collections', 'OrderedDict'),
@@ -161,6 +162,17 @@ def resolve(path) -> Path:
         raise CheckpointError(f"{p} holds no complete checkpoint" + why)
     return latest
 
+def latest_everywhere(root) -> Path|None:
+    "The newest complete checkpoint in `root`, the same on every rank, or None on all (a collective): else raise"
+    last = latest_checkpoint(root)
+    found = all_gather_objects(str(last) if last else None)
+    if len(set(found)) > 1:
+        raise CheckpointError(f"the ranks found different newest checkpoints in {root} (" + ', '.join(
+            f"rank {i}: {Path(f).name if f else 'none'}" for i, f in enumerate(found)) + "): resume from a "
+            "directory every host shares (NFS, Lustre, ...)")
+    return last
+
+
 # %% ../../nbs/05c_train.checkpoint_load.ipynb #0927e270
 @dataclass
 class Checkpoint:
@@ -202,6 +214,14 @@ def _position(d) -> dict|None:
     if 'epoch' in d and 'offset' in d: return dict(epoch=d['epoch'], offset=d['offset'])
     return dict(epoch=None, offset=d.get('_num_yielded'))  # torchdata's StatefulDataLoader counts what it yielded
 
+def _same_checkpoint(parts:list):
+    "Raise on every rank when some rank could not open the checkpoint, or the ranks found different ones"
+    bad = [f"rank {i}: {p[0]}" for i, p in enumerate(parts) if p[0]]
+    if bad: bad.append("the other ranks could: load from a directory every host shares (NFS, Lustre, ...)")
+    elif len(paths := sorted({p[1] for p in parts})) > 1:
+        bad = [f"the ranks found different checkpoints ({', '.join(paths)}): pass the same one on every rank"]
+    if bad: raise CheckpointError("nothing was loaded; " + '; '.join(bad))
+
 def load_checkpoint(path,                     # a checkpoint directory, or a directory of them (then its newest one)
                     model,                    # the same model, built the same way (any strategy, any number of ranks)
                     optimizer:torch.optim.Optimizer|None=None,
@@ -212,14 +232,19 @@ def load_checkpoint(path,                     # a checkpoint directory, or a dir
     "Restore a `save_checkpoint` checkpoint into `model`, `optimizer`, `loader` on any number of ranks (a collective)"
     import torch.distributed.checkpoint as dcp
     wait_pending()
-    path = resolve(path)
-    meta = read_marker(path)
-    sizes, checked = _verify_beside(path, meta) if verify else ([], lambda: None)  # checksums beside the I/O
+    err, sizes = None, []
+    try:
+        path = resolve(path)
+        meta = read_marker(path)
+        sizes, checked = _verify_beside(path, meta) if verify else ([], lambda: None)  # checksums beside the I/O
+    except (CheckpointError, OSError) as e: err = e  # told to the other ranks in the gather, not left for them to wait
     sd, back = state_dicts(model, optimizer)
-    parts = all_gather_objects((sizes, local_shapes(sd)))  # one gather: files of the wrong size, shapes
-    _raise_damaged(path, [b for p in parts for b in p[0]], collective=False)  # nothing loaded if one is off
+    parts = all_gather_objects((err and f"{type(err).__name__}: {err}", str(path), sizes, local_shapes(sd)))
+    if err and all(p[0] for p in parts): raise err  # the same on every rank
+    _same_checkpoint(parts)
+    _raise_damaged(path, [b for p in parts for b in p[2]], collective=False)  # nothing loaded if one is off
     check_metadata(path)
-    _check_fits(path, meta, merge_shapes(p[1] for p in parts), optimizer is not None)
+    _check_fits(path, meta, merge_shapes(p[3] for p in parts), optimizer is not None)
     Reader, Planner, _ = safe_dcp()
     try:
         with quiet(): dcp.load(sd, storage_reader=Reader(str(path)), planner=Planner(), no_dist=dist_or_none() is None)

@@ -18,9 +18,9 @@ from .batches import ShardNorm
 from ..core.models import find_blocks
 from ..parallel.fsdp import check_optimizer
 from .resume_state import resumable, batches_served
-from .checkpoint import latest_checkpoint, save_checkpoint, checkpoint_path
+from .checkpoint import save_checkpoint, checkpoint_path
 from ..core.logs import get_logger, CheckpointWarning, UsageWarning
-from .checkpoint_load import load_checkpoint
+from .checkpoint_load import load_checkpoint, latest_everywhere
 from .stragglers import watch_ranks
 
 # %% auto #0
@@ -136,7 +136,7 @@ def _warn_changed(mine, theirs, path):
 
 def _resume(checkpoint_dir, model, optimizer, loader, scheduler, scaler) -> tuple[int, dict, str]:
     "Load the newest complete checkpoint in `checkpoint_dir`, if any; returns (its step, the history so far, its path)"
-    if (last := latest_checkpoint(checkpoint_dir)) is None: return 0, {}, ''
+    if (last := latest_everywhere(checkpoint_dir)) is None: return 0, {}, ''  # the same on every rank
     mine = _hyper(optimizer, scheduler)
     ck = load_checkpoint(last, model, optimizer, loader=loader)
     state = ck.extra.get('fit', {})

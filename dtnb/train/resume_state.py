@@ -6,12 +6,12 @@ Docs: https://dtnb-dev.github.io/dtnb/train.resume_state.html.md"""
 
 # %% ../../nbs/05a_train.resume_state.ipynb #c0b1a08b
 from __future__ import annotations
-import random
+import random, collections
 import torch
 from ..core.dist import current_device
 
 # %% auto #0
-__all__ = ['rng_state', 'set_rng_state', 'ResumableLoader', 'resumable', 'batches_served']
+__all__ = ['rng_state', 'set_rng_state', 'ResumableLoader', 'resumable', 'check_loadable', 'batches_served']
 
 # %% ../../nbs/05a_train.resume_state.ipynb #74011a4e
 def rng_state() -> dict:
@@ -144,6 +144,24 @@ class ResumableLoader:
 def resumable(loader) -> ResumableLoader:
     "Wrap `loader` so that a checkpoint can record, and restore, where it is"
     return loader if isinstance(loader, ResumableLoader) else ResumableLoader(loader)
+
+# %% ../../nbs/05a_train.resume_state.ipynb #c028
+_PLAIN = (int, float, bool, str, bytes, type(None), torch.Tensor, torch.nn.Parameter, torch.Size, torch.dtype,
+          torch.device)
+
+def check_loadable(x, where:str='extra'):
+    "Raise a TypeError naming the part of `x` that `torch.load(weights_only=True)` could not read back"
+    if type(x) in (dict, collections.OrderedDict):
+        for k, v in x.items():
+            if type(k) not in (str, int):
+                raise TypeError(f"{where} has a key {k!r} of type {type(k).__name__}: use str or int keys")
+            check_loadable(v, f"{where}[{k!r}]")
+    elif type(x) in (list, tuple):
+        for i, v in enumerate(x): check_loadable(v, f"{where}[{i}]")
+    elif type(x) not in _PLAIN:
+        raise TypeError(f"{where} is a {type(x).__module__}.{type(x).__name__}, which a checkpoint cannot hold: "
+                        "everything is loaded back with weights_only=True, so use tensors, numbers, strings, None "
+                        "and lists/tuples/dicts of them (for an object with state, pass obj.state_dict())")
 
 # %% ../../nbs/05a_train.resume_state.ipynb #2bfb5fd4
 def batches_served(loader) -> int|None:
