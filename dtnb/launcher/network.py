@@ -186,23 +186,26 @@ class PeerLostError(NetworkError):
 
 # %% ../../nbs/02_launcher.network.ipynb #d6009bbf
 _TORCH = os.sep + 'torch' + os.sep
+_HERE = os.path.join('dtnb', 'launcher', 'network.py')  # the watch itself: never what a rank does
+_DECORATORS = ('wrapper', 'inner', '_fn')  # torch's wrappers around a call: not its name
 _STDLIB = tuple({sysconfig.get_paths()[k] for k in ('stdlib', 'platstdlib')})
 
 def _library(filename:str) -> bool:
-    "A frame of torch, of Python's standard library or of its import machinery: not the caller's own code"
+    "A frame of torch, of Python's standard library, its import machinery or this watch: not the caller's own code"
     std = filename.startswith(_STDLIB) and 'site-packages' not in filename and 'dist-packages' not in filename
-    return _TORCH in filename or std or filename.startswith('<frozen')
+    return _TORCH in filename or std or filename.startswith('<frozen') or filename.endswith(_HERE)
 
-def _activity(ident:int|None=None) -> str:
-    "What a thread (default: the main thread) is doing: the torch call it is in, and where its own code called it"
-    frame = sys._current_frames().get(ident or threading.main_thread().ident)
-    if frame is None: return 'exiting'
-    stack = traceback.extract_stack(frame)  # outermost first
+def _activity(ident:int|None=None, tb=None) -> str:
+    "What a thread (default: the main thread) is doing, or where traceback `tb` failed: the torch call, and its caller"
+    frame = None if tb is not None else sys._current_frames().get(ident or threading.main_thread().ident)
+    if frame is None and tb is None: return 'exiting'
+    stack = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack(frame)  # outermost first
     own = [i for i, f in enumerate(stack) if not _library(f.filename)]
     if not own: return f"in {stack[-1].name}" if stack else 'idle'
     here = stack[own[-1]]
     where = f"{os.path.basename(here.filename)}:{here.lineno} ({here.name})"
-    return f"in {stack[own[-1] + 1].name}, called from {where}" if own[-1] + 1 < len(stack) else f"at {where}"
+    calls = [f.name for f in stack[own[-1] + 1:] if f.name not in _DECORATORS] or [f.name for f in stack[own[-1] + 1:]]
+    return f"in {calls[0]}, called from {where}" if calls else f"at {where}"
 
 # %% ../../nbs/02_launcher.network.ipynb #b6654afc
 def _store_client(host, port, timeout):
@@ -248,7 +251,7 @@ class PeerWatch:
 
     def _beat(self, state='running', doing=None):
         self.n += 1
-        rec = dict(self.me, n=self.n, state=state, doing=doing or _activity(), seqs=collective_counts())
+        rec = dict(self.me, n=self.n, t=time.time(), state=state, doing=doing or _activity(), seqs=collective_counts())
         self.store.set(self.prefix + str(self.rank), json.dumps(rec))
 
     def stop(self, state='done', doing=''):
@@ -332,11 +335,11 @@ def _await_readers(w:PeerWatch):
 # %% ../../nbs/02_launcher.network.ipynb #86e46b74
 _EXITING = threading.Lock()
 
-def _exit_lost(err:PeerLostError):
-    "Stop this rank now, with one error: a lost peer's collectives never return, so nothing else could end them"
+def _exit_lost(err:PeerLostError, tb=None):
+    "Stop this rank now, with one error (`tb`: of the call that failed): a lost peer's collectives never return"
     _EXITING.acquire()  # once: a second caller waits here for the exit
     me = f"rank {os.environ.get('RANK', '?')} on {socket.gethostname()}"
-    tail = '' if isinstance(err, CollectiveTimeout) else f"; this rank was {_activity()}"  # it says where it waits
+    tail = '' if isinstance(err, CollectiveTimeout) else f"; this rank was {_activity(tb=tb)}"  # it says where
     # the last word: to sys.__stderr__ too, for torch's excepthook, around ours, holds sys.stderr until we return
     _log.error(f"{me} stops: {err}{tail}", extra=dict(last_word=True))
     _record(err)
@@ -391,21 +394,22 @@ def _explain(w:PeerWatch, e:BaseException) -> PeerLostError|None:
     m = _ADDR.search(msg)
     peers = [p for p in w.peers.values() if m and p['addr'] == m.group(1)]
     if not peers: return None
-    ranks = ', '.join(str(p['rank']) for p in peers)
+    ranks, age = ', '.join(str(p['rank']) for p in peers), max(0, time.time() - peers[0].get('t', time.time()))
     line = re.sub(r'^\[[^\]]*\.cc:\d+\] ', '', next((l for l in msg.splitlines() if l.strip()), msg)).split('. ')[0]
     return PeerLostError(f"lost {peers[0]['host']} ({m.group(1)}: rank{'s' * (len(peers) > 1)} {ranks}): the "
-                         f"connection broke ({line}); it was last {peers[0]['doing']}", peers[0]['rank'],
-                         peers[0]['host'])
+                         f"connection broke ({line}); its last heartbeat, {age:.0f} s before, said it was "
+                         f"{peers[0]['doing']}", peers[0]['rank'], peers[0]['host'])
 
 def _hung(w:PeerWatch, e:BaseException, tb=None) -> CollectiveTimeout|None:
-    "A collective of this rank that timed out (or lost a peer that left): it, and the ranks that never issued it"
+    "A collective that timed out, or whose link broke as a rank that never issued it left (its script ended): the hang"
     msg = str(e)
     timed_out = 'Timed out' in msg or 'timed out' in msg
     if not (timed_out or PEER_GONE.search(msg)) or (p := pending_collective(timed_out, tb)) is None:
         return None
     if isinstance(_bounded(lambda: _read_peers(w), 2), PeerLostError): return None  # a peer failed or was lost
     late = late_ranks(p, w.peers)
-    if not late and not timed_out: return None  # a broken link while every rank had come: a lost peer
+    if not timed_out and not (late and all(w.peers[r].get('state') == 'done' for r in late)):
+        return None  # a broken link, and no rank that never came had left on purpose: a peer that died (lost)
     return CollectiveTimeout(hang_message(w.rank, p, w.peers, w.world), w.rank, late)
 
 def _excepthook(tp, e, tb):
@@ -421,4 +425,4 @@ def _excepthook(tp, e, tb):
         stop_peer_watch('failed', f"{tp.__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
         return prev(tp, e, tb)
     w._stop.set()
-    _exit_lost(err)
+    _exit_lost(err, tb)
