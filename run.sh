@@ -70,14 +70,17 @@ ray_deps() {
 case "${1:-}" in
   setup) setup ;;
   main)  setup; "$VENV/bin/dtnb" report --quick --out dtnb-report ;;
-  test)  setup
-         test_deps
+  test)  # mpirun and Chromium install (apt-get: a minute or two on a fresh machine) beside the setup and the notebooks,
+         # which need neither; pytest waits for them
+         deps_log=$(mktemp); test_deps > "$deps_log" 2>&1 & deps=$!
+         setup
          # The notebooks run once. nbdev-test keeps their outputs (--save), the docs site that tests/test_site.py checks
          # is rendered from them, then the outputs go again (notebooks are committed without outputs), also on failure.
-         trap strip_outputs EXIT
+         trap 'strip_outputs; wait $deps 2>/dev/null' EXIT  # never leave apt-get half done
          DTNB_NO_CLUSTER=1 NBDEV_TEST="$VENV/bin/nbdev-test" bash tools/test_notebooks.sh --save --timing ${DTNB_NBDEV_TEST_ARGS:-}
          "$VENV/bin/python" tools/docs.py build --no-exec
          strip_outputs; trap - EXIT
+         deps_ok=0; wait $deps || deps_ok=$?; cat "$deps_log"; rm -f "$deps_log"; [ $deps_ok = 0 ] || exit $deps_ok
          "$VENV/bin/pytest" tests/ -q -m "not cluster and not cluster_long and not long" --durations=25 ;;  # the slowest 25: the budget
   test-long) setup  # minutes on namespace hosts (pytest markers cluster, cluster_long) and the cluster tutorial
          test_deps

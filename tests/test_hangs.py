@@ -66,7 +66,6 @@ def two_slow_ranks():
     return out
 
 def test_fit_names_the_slow_rank_and_its_cause():
-    import torch._dynamo  # any optimizer imports it (seconds): once here, not in each rank
     from dtnb import launch
     (data_rank, data_verdict, summary), (busy_rank, busy_verdict, _) = launch(two_slow_ranks, nprocs=2)[0]
     assert data_rank == 1 and 'rank 1 is slower than the others: data wait' in data_verdict, data_verdict

@@ -202,6 +202,23 @@ def test_version():
         assert (r.returncode, r.stdout.strip()) == (0, f"dtnb {dtnb.__version__}"), r
 
 
+WARM = """
+import sys, json
+from dtnb.launcher.processes import launch, _start_method
+before = 'torch._dynamo' in sys.modules
+def has_dynamo(): return 'torch._dynamo' in sys.modules
+print(json.dumps([_start_method(None, 1), before, launch(has_dynamo, nprocs=2)]))
+"""
+
+def test_forked_ranks_inherit_torch_dynamo_imported_once():
+    "Each rank's first optimizer, DDP or FSDP imports torch._dynamo (1-2 s of CPU): launch imports it before forking"
+    r = subprocess.run([PY, '-c', WARM], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    method, before, ranks = json.loads(r.stdout.strip().splitlines()[-1])
+    if method != 'fork': pytest.skip(f"launch spawns its ranks here ({method}): they import everything anew")
+    assert (before, ranks) == (False, [True, True])
+
+
 def test_launch_in_process_leaves_nothing():
     from dtnb.launcher.processes import launch, LaunchError
     import torch.distributed as dist, torch

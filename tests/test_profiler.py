@@ -2,7 +2,6 @@
 The CPU is the subject: CPU ranks on gloo (`cpu_ranks`, conftest.py)."""
 import json, os
 import pytest, torch
-import torch._dynamo  # noqa: F401 (DDP's first wrap imports it: once here, not in each forked rank)
 from dtnb.core.models import ToyModel, toy_data
 from dtnb.launcher.processes import launch
 from dtnb.parallel.ddp import distributed_loader

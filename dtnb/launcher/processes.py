@@ -247,6 +247,12 @@ def _start_method(start_method, threads):
                            "or leave it None (your function travels by value)")
     return start_method
 
+def _warm_imports(method):
+    "Before forking: import here, once, what every rank would import again on its own (spawned ranks start anew)"
+    if method != 'fork': return
+    with contextlib.suppress(Exception):  # each rank's first optimizer, DDP or FSDP imports it: 1-2 s of CPU each
+        import torch._dynamo  # noqa: F401; it starts no thread and leaves CUDA alone
+
 # %% ../../nbs/02a_launcher.processes.ipynb #7b714079
 def check_launch_args(fn, nprocs):
     import torch.distributed as dist
@@ -401,6 +407,7 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
     backend = check_backend(backend)
     if device: env = {**(env or {}), 'DTNB_DEVICE': device}
     method = _start_method(start_method, threads or 1)  # threads=None: forked ranks get 1 while a pool runs
+    _warm_imports(method)
     if port is not None: check_port(port)
     if (why := cpu_oversubscription(nprocs, threads, usable_cores())):
         warnings.warn(why, PerformanceWarning, stacklevel=2)
