@@ -199,13 +199,23 @@ def _activity(ident:int|None=None, tb=None) -> str:
     "What a thread (default: the main thread) is doing, or where traceback `tb` failed: the torch call, and its caller"
     frame = None if tb is not None else sys._current_frames().get(ident or threading.main_thread().ident)
     if frame is None and tb is None: return 'exiting'
-    stack = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack(frame)  # outermost first
+    return _describe(traceback.extract_tb(tb) if tb is not None else traceback.extract_stack(frame))
+
+_DTNB = os.sep + 'dtnb' + os.sep
+
+def _describe(stack) -> str:
+    "A stack (outermost first) in words: the library call it is in, dtnb's step if any, and the user's line"
     own = [i for i, f in enumerate(stack) if not _library(f.filename)]
     if not own: return f"in {stack[-1].name}" if stack else 'idle'
-    here = stack[own[-1]]
-    where = f"{os.path.basename(here.filename)}:{here.lineno} ({here.name})"
+    here, user = stack[own[-1]], [i for i in own if _DTNB not in stack[i].filename]
     calls = [f.name for f in stack[own[-1] + 1:] if f.name not in _DECORATORS] or [f.name for f in stack[own[-1] + 1:]]
-    return f"in {calls[0]}, called from {where}" if calls else f"at {where}"
+    what = f"in {calls[0]}" if calls else ''
+    if _DTNB in here.filename:  # inside dtnb (fit, a checkpoint): its step, then the user's line that called it
+        what = f"{what} (dtnb's {here.name})" if what else f"in dtnb's {here.name}"
+        if not user: return what
+        here = stack[user[-1]]
+    where = f"{os.path.basename(here.filename)}:{here.lineno} ({here.name})"
+    return f"{what}, called from {where}" if what else f"at {where}"
 
 # %% ../../nbs/02_launcher.network.ipynb #b6654afc
 def _store_client(host, port, timeout):
