@@ -60,7 +60,21 @@ def _launch(args):
     if args.log_level: env['DTNB_LOG_LEVEL'] = args.log_level  # -q/-v reach the ranks too
     _log.debug(f"running {' '.join(cmd)}")
     if args.dry_run: print(' '.join(cmd)); return 0
-    return subprocess.run(cmd, env={**os.environ, **env}).returncode
+    return _agent(cmd, {**os.environ, **env})
+
+def _agent(cmd, env) -> int:
+    "Run torchrun's agent; a SIGTERM or SIGHUP sent to `dtnb launch` goes on to it, and it stops its ranks"
+    import signal, subprocess
+    p = subprocess.Popen(cmd, env=env)
+    old = {s: signal.signal(s, lambda sig, _: p.send_signal(sig)) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        try: return p.wait()
+        except KeyboardInterrupt:  # Ctrl-C reached torchrun and its ranks too (one process group): let them stop
+            try: p.wait(timeout=30)
+            except subprocess.TimeoutExpired: p.terminate(); p.wait(timeout=30)
+            raise
+    finally:
+        for s, h in old.items(): signal.signal(s, h)
 
 # %% ../nbs/10_cli.ipynb #bff61306
 def _report(args):

@@ -1,6 +1,7 @@
 """A real SLURM on namespace hosts (tools/slurm.sh: munged, slurmctld on host 1, one slurmd per host, each node at its
-host's own address): `sbatch examples/slurm.sbatch` trains equal to one process on 2 and 3 nodes, and `scontrol requeue`
-of the running job resumes from its checkpoint to the bitwise result of an uninterrupted job. The SLURM-variable parsing
+host's own address): `sbatch examples/slurm.sbatch` trains equal to one process on 2 and 3 nodes, `scontrol requeue`
+of the running job resumes from its checkpoint to the bitwise result of an uninterrupted job, and so does the job that
+requeues itself on SIGUSR1 (what `--signal=USR1@90` sends before the time limit) after saving the step it stopped at. The SLURM-variable parsing
 itself is unit-tested with given variables in nbs/00_launchenv.ipynb. The CPU is the subject (`cpu_ranks`): ranks are
 CPU ranks on gloo. Needs root and `slurm-wlm munge` (run.sh test installs them); skips with the reason otherwise."""
 import json, os, subprocess, sys, time
@@ -90,3 +91,31 @@ def test_requeue_resumes_from_checkpoint_bitwise(slurm, tmp_path):
     assert (second['world_size'], second['steps']) == (2, 60)
     assert second['params_sha256'] == a['params_sha256']
     assert second['losses'] == a['losses']
+
+
+def test_usr1_saves_requeues_itself_and_resumes_bitwise(slurm, tmp_path):
+    """SIGUSR1, what `sbatch --signal=USR1@90` sends 90 s before the time limit (here sent by `scancel --signal`):
+    fit stops at the next log step with a checkpoint of it, the job requeues itself, and resumes to the bitwise end"""
+    import re
+    args = ['--steps', '1000', '--epochs', '32', '--every', '100000']  # no periodic checkpoint: only the signal's
+    env, plain_out, out = job_env(tmp_path), tmp_path / 'plain.out', tmp_path / 'usr1.out'
+    plain = slurm.sbatch('examples/slurm.sbatch', *args, env=env, output=plain_out)
+    slurm.wait(plain, timeout=240)
+    job = slurm.sbatch('examples/slurm.sbatch', *args, env=env, output=out)
+    text, end = lambda: out.read_text() if out.exists() else '', time.monotonic() + 240
+    while f"requeues job {job}" not in text():  # rank 0 is in fit's loop, its handlers set (rank 1's before the
+        assert time.monotonic() < end, text()[-3000:]  # same all-reduce)
+        assert slurm.state(job) in ('PENDING', 'RUNNING', 'CONFIGURING'), text()[-3000:]
+        time.sleep(0.05)
+    slurm.run('scancel', '--signal=USR1', job)
+    slurm.wait(job, timeout=120, until=lambda s: s == 'PENDING' and 'restart 1' not in text() and
+               "fit: SIGUSR1 received" in text())  # requeued by the job itself, not restarted yet
+    slurm.run('scontrol', 'update', f'jobid={job}', 'StartTime=now')  # SLURM delays a requeued job's start
+    slurm.wait(job, timeout=240)
+    log = text()
+    stop = int(re.search(r"fit: SIGUSR1 received: stopped at step (\d+)", log).group(1))
+    assert 0 < stop < 1000 and stop % 10 == 0, log[-3000:]
+    assert f"job {job} on host[1-2], restart 1" in log, log[-3000:]
+    (a,), second = results(plain_out), results(out)[-1]
+    assert (second['world_size'], second['start_step'], second['steps']) == (2, stop, 1000), log[-3000:]
+    assert second['params_sha256'] == a['params_sha256'] and second['losses'] == a['losses']

@@ -12,7 +12,8 @@ from .utils import accelerators
 
 # %% auto #0
 __all__ = ['too_many_ranks', 'current_device', 'rank', 'world_size', 'local_rank', 'is_main', 'barrier', 'rank0_first',
-           'dist_or_none', 'rank_world', 'require_group', 'broadcast_from_rank0', 'all_gather_objects', 'agree']
+           'dist_or_none', 'rank_world', 'require_group', 'broadcast_from_rank0', 'all_gather_objects', 'agree',
+           'any_rank']
 
 # %% ../../nbs/00b_core.dist.ipynb #c69b46ed
 def too_many_ranks(nprocs:int, n:int, acc:str) -> str:
@@ -110,3 +111,11 @@ def agree(problem:str|None, cls=RuntimeError):
     first = bad[0][1]
     if len(bad) > 1 and any(p != first for _, p in bad): first += ''.join(f"\n(rank {r}: {p})" for r, p in bad[1:])
     raise cls(first)
+
+def any_rank(flag:bool, group=None) -> bool:
+    "Whether `flag` is true on any rank of `group` (one all-reduce where there are several): every rank gets the answer"
+    import torch, torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1): return bool(flag)
+    t = torch.tensor([float(flag)], device=current_device() if dist.get_backend(group) == 'nccl' else 'cpu')
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())

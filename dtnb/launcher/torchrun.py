@@ -69,10 +69,15 @@ def run_agent(argv) -> int:
     "torchrun's agent (`torch.distributed.run`) on `argv`; a rendezvous that times out ends in one line that says why"
     from torch.distributed.run import main
     from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed import DistStoreError, DistNetworkError
     try: main(argv)
     except (RendezvousTimeoutError, DistStoreError, DistNetworkError) as e:
         print(rendezvous_failure(argv, e), file=sys.stderr, flush=True); return 1
+    except SignalException as e:  # torchrun has stopped its ranks (SIGTERM, then SIGKILL after 30 s): not a crash
+        print(f"dtnb launch: stopped by {e.sigval.name}: torchrun passed it on to its ranks, which have ended (dtnb's "
+              "fit, given checkpoint_dir=, saves the step it stops at)", file=sys.stderr, flush=True)
+        return 128 + e.sigval
     return 0
 
 def rendezvous_failure(argv, err:Exception) -> str:

@@ -1,4 +1,4 @@
-"""Hooks into `fit` and the built-ins that rest on them: CSV, TensorBoard, early stopping, best checkpoints, profiles.
+"""Hooks into `fit` and the built-ins on them: logs, early stopping, best checkpoints, preemption, profiles.
 
 Docs: https://dtnb-dev.github.io/dtnb/train.callbacks.html.md"""
 
@@ -6,13 +6,15 @@ Docs: https://dtnb-dev.github.io/dtnb/train.callbacks.html.md"""
 
 # %% ../../nbs/05f_train.callbacks.ipynb #08a95fd8
 from __future__ import annotations
-import csv, json
+import csv, json, os, signal, subprocess, threading, warnings
 from pathlib import Path
 from .checkpoint import save_checkpoint, checkpoint_path
 from ..core.dist import rank
+from ..core.logs import get_logger, UsageWarning
 
 # %% auto #0
-__all__ = ['Callback', 'CSVLogger', 'TensorBoardLogger', 'EarlyStopping', 'KeepBest', 'Profiler', 'trace_rows', 'plot_traces']
+__all__ = ['Callback', 'CSVLogger', 'TensorBoardLogger', 'EarlyStopping', 'KeepBest', 'Preemption', 'Profiler', 'trace_rows',
+           'plot_traces']
 
 # %% ../../nbs/05f_train.callbacks.ipynb #5adb84f2
 class Callback:
@@ -125,6 +127,75 @@ class KeepBest(Callback):
         self.best = v
         self.path = save_checkpoint(checkpoint_path(self.directory, state.step), state.model, state.optimizer,
                                     step=state.step, keep=1, best={self.monitor: v})
+
+# %% ../../nbs/05f_train.callbacks.ipynb #e73f50be
+_log = get_logger('dtnb.train.callbacks')
+
+def _signal(s) -> signal.Signals:
+    "A signal from its name ('SIGTERM', 'TERM') or number, or an error that lists the names"
+    try: return signal.Signals(s) if isinstance(s, int) else signal.Signals[s if s.startswith('SIG') else f'SIG{s}']
+    except (KeyError, ValueError, AttributeError):
+        raise ValueError(f"Preemption: {s!r} is not a signal: use a name such as 'SIGTERM' or 'SIGUSR1'") from None
+
+def _in_slurm_task() -> bool:
+    "A task that srun started (not a rank of dtnb's `launch`, which uses SIGUSR1 to ask a hung rank for its stack)"
+    return 'SLURM_JOB_ID' in os.environ and os.environ.get('DTNB_LAUNCH') != '1'
+
+class Preemption(Callback):
+    "On SIGTERM (and SIGUSR1 in a SLURM job) end `fit` at the next agreed step with a checkpoint; SIGUSR1 requeues"
+    def __init__(self, signals=None,       # names or numbers; default: SIGTERM, and SIGUSR1 in a SLURM job
+                 requeue:bool|None=None):  # `scontrol requeue` the job after a SIGUSR1; default: in a SLURM job
+        self.signals = None if signals is None else [_signal(s) for s in signals]
+        self.requeue, self.got, self.old = requeue, None, {}
+
+    def on_fit_start(self, state):
+        self.got, self.dir = None, state.checkpoint_dir
+        sigs = self.signals if self.signals is not None else (
+            [signal.SIGTERM, signal.SIGUSR1] if _in_slurm_task() else [signal.SIGTERM])
+        if threading.current_thread() is not threading.main_thread():  # Python handles signals there only
+            _log.debug("Preemption: fit runs outside the main thread, where no signal handler can be set")
+            return
+        for s in sigs: self.old[s] = signal.signal(s, self._caught)
+        if signal.SIGUSR1 in self.old and self._requeues() and 'SLURM_JOB_ID' in os.environ:
+            _log.info(f"fit: on SIGUSR1 (sbatch --signal=USR1@90: 90 s before the time limit) training stops at the "
+                      f"next agreed step, saves and requeues job {os.environ['SLURM_JOB_ID']}; on SIGTERM it saves "
+                      "and stops")
+
+    def _requeues(self) -> bool: return self.requeue if self.requeue is not None else 'SLURM_JOB_ID' in os.environ
+
+    def _caught(self, signum, frame):
+        "The handler: remember the signal, and put the one before back (a second signal acts as it did before fit)"
+        self.got = signal.Signals(signum)
+        signal.signal(signum, self.old.pop(signum, None) or signal.SIG_DFL)
+
+    def on_step_end(self, state):
+        if self.got is not None and not state.stop: state.stop = f"{self.got.name} received (Preemption)"
+
+    def restore(self):
+        "Put back the handlers of before `fit` (fit calls it as it ends, also when it raises)"
+        for s, h in self.old.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)
+        self.old = {}
+
+    def on_fit_end(self, state):
+        self.restore()
+        if self.got is None: return
+        if not state.stop:  # the signal came with the last step: the run is complete, nothing to resume
+            return _log.info(f"fit: {self.got.name} received as training ended (step {state.step}): it is complete")
+        saved = f"its checkpoint is in {self.dir}" if self.dir is not None else "no checkpoint_dir: nothing was saved"
+        _log.info(f"fit: {self.got.name} received: stopped at step {state.step}; {saved}")
+        if self.got == signal.SIGUSR1 and self._requeues() and state.is_main: _requeue(os.environ.get('SLURM_JOB_ID'))
+
+def _requeue(job):
+    "Ask SLURM to stop this job and queue it again (it keeps its id, so it finds its checkpoints)"
+    why = "no SLURM_JOB_ID: this is not a SLURM job" if job is None else None
+    if why is None:
+        try:
+            r = subprocess.run(['scontrol', 'requeue', job], capture_output=True, text=True, timeout=60)
+            why = None if r.returncode == 0 else (r.stderr or r.stdout).strip()
+        except (OSError, subprocess.TimeoutExpired) as e: why = str(e)
+    if why is None: return _log.info(f"fit: job {job} requeued")
+    warnings.warn(f"Preemption: could not requeue job {job}: {why}. Submit the job with `sbatch --requeue` "
+                  f"(and a cluster that allows it), or requeue it yourself: `scontrol requeue {job}`", UsageWarning)
 
 # %% ../../nbs/05f_train.callbacks.ipynb #f3f241c7
 def _collective_ms(events) -> float:

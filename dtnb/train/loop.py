@@ -10,7 +10,7 @@ import os, time, warnings
 from dataclasses import dataclass, field, asdict
 import torch
 from torch import nn
-from ..core.dist import world_size, is_main, current_device, dist_or_none
+from ..core.dist import world_size, is_main, current_device, dist_or_none, any_rank
 from ..core.utils import md_table, text_table, to_device, StepProgress, DEFAULT_PRECISION
 from .batches import cast_batch, forward_loss, count_samples, check_loader, check_fp16, as_metrics, evaluate
 from .batches import pipeline_args, check_pipeline_validation, fit_precision, micro_step, optimizer_step
@@ -22,6 +22,7 @@ from .checkpoint import save_checkpoint, checkpoint_path
 from ..core.logs import get_logger, CheckpointWarning, UsageWarning
 from .checkpoint_load import load_checkpoint, latest_everywhere
 from .stragglers import watch_ranks
+from .callbacks import Preemption
 
 # %% auto #0
 __all__ = ['FitResult', 'FitState', 'fit']
@@ -259,14 +260,6 @@ def _hooks(callbacks) -> dict:
     return {h: [f for cb in callbacks or () if (f := getattr(cb, h, None)) is not None]
             for h in ('on_fit_start', 'on_step_end', 'on_validation_end', 'on_fit_end')}
 
-def _any_rank(flag:bool) -> bool:
-    "Whether `flag` is true on any rank (one all-reduce when there are several)"
-    import torch.distributed as dist
-    if not (dist.is_initialized() and dist.get_world_size() > 1): return flag
-    t = torch.tensor([float(flag)], device=current_device() if dist.get_backend() == 'nccl' else 'cpu')
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
 @dataclass
 class _Run:
     "What the step, the epoch end, validation and saving of one `fit` call share"
@@ -311,7 +304,7 @@ def _flush(run):
 def _agree_stop(run) -> bool:
     "Whether any rank's callbacks asked to stop (one all-reduce, where some rank has callbacks); then every rank stops"
     s = run.state
-    if run.stoppable and _any_rank(bool(s.stop)) and not s.stop: s.stop = 'another rank asked to stop'
+    if run.stoppable and any_rank(bool(s.stop)) and not s.stop: s.stop = 'another rank asked to stop'
     return bool(s.stop)
 
 def _validate(run) -> bool:
@@ -430,6 +423,8 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
     _place(model, optimizer, device, kind)
     if compile: _compile(model, kind, compile if isinstance(compile, dict) else None)
 
+    if checkpoint_dir is not None and not any(isinstance(c, Preemption) for c in callbacks or ()):
+        callbacks = (*(callbacks or ()), Preemption())  # SIGTERM saves, under SLURM SIGUSR1 requeues
     state = FitState(model, optimizer, FitResult(strategy=_strategy(model)), checkpoint_dir=checkpoint_dir,
                      metric_names=['val_loss', *as_metrics(metrics)] if val_loader is not None else [])
     run = _Run(state, loader, kind, device, precision, loss_fn, step_fn, keys, accumulate, clip, scheduler,
@@ -440,11 +435,14 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
     first = _restore(run)              # the loader's epoch to go on in (0 on a fresh start)
     ended = state.epoch > first        # a checkpoint taken after that epoch's end was handled
     run.bar = _progress(progress, run.loader, epochs, max_steps, accumulate, state.step)
-    run.stoppable, run.t0 = _any_rank(any(run.hooks.values())), time.perf_counter()
+    run.stoppable, run.t0 = any_rank(any(run.hooks.values())), time.perf_counter()
     watch_ranks(run.hooks, log_every, progress)  # several ranks: a slower one named with its cause (train.stragglers)
 
-    run.call('on_fit_start')
-    done = lambda: max_steps is not None and state.step >= max_steps
-    for group in _batches(run.loader, epochs - first, accumulate, done, state.result, ended) if not done() else ():
-        if _train_step(run, group) if group is not None else _end_epoch(run): break
-    return _finish(run)
+    try:
+        run.call('on_fit_start')
+        done = lambda: max_steps is not None and state.step >= max_steps
+        for group in _batches(run.loader, epochs - first, accumulate, done, state.result, ended) if not done() else ():
+            if _train_step(run, group) if group is not None else _end_epoch(run): break
+        return _finish(run)
+    finally:  # signal handlers as before fit, also after an error
+        for c in callbacks or (): isinstance(c, Preemption) and c.restore()
