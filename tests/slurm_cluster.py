@@ -62,6 +62,11 @@ class SlurmCluster:
     def requeue(self, job:int):
         "`scontrol requeue` the job, then lift the start delay (about 2 minutes) SLURM gives a requeued job"
         self.run('scontrol', 'requeue', job)
+        self.release(job)
+
+    def release(self, job:int, timeout:float=60):
+        "Once the requeued job is back in the queue (its ranks may take seconds to save and stop), start it now"
+        self.wait(job, timeout, until=lambda s: s == 'PENDING')
         self.run('scontrol', 'update', f'jobid={job}', 'StartTime=now')
 
     def down(self):

@@ -4,7 +4,7 @@ of the running job resumes from its checkpoint to the bitwise result of an unint
 requeues itself on SIGUSR1 (what `--signal=USR1@90` sends before the time limit) after saving the step it stopped at. The SLURM-variable parsing
 itself is unit-tested with given variables in nbs/00_launchenv.ipynb. The CPU is the subject (`cpu_ranks`): ranks are
 CPU ranks on gloo. Needs root and `slurm-wlm munge` (run.sh test installs them); skips with the reason otherwise."""
-import json, os, subprocess, sys, time
+import json, os, re, subprocess, sys, time
 from pathlib import Path
 import pytest, psutil
 from conftest import cpu_env
@@ -84,9 +84,11 @@ def test_requeue_resumes_from_checkpoint_bitwise(slurm, tmp_path):
     slurm.requeue(job)
     slurm.wait(job, timeout=240)
     text = requeued_out.read_text()
-    (a,), (second,) = results(plain_out), results(requeued_out)  # the first run was killed before its end
+    (a,), second = results(plain_out), results(requeued_out)[-1]  # the first run may have printed its steps too
     assert f"job {job} on host[1-2], restart 1" in text, text[-3000:]
-    assert 0 < second['start_step'] < 60, second  # the second run resumed mid-way, from a checkpoint
+    stop = re.search(r"fit: SIGTERM received: stopped at step (\d+)", text)  # requeue sends SIGTERM (KillWait: 5 s)
+    assert stop, text[-3000:]
+    assert second['start_step'] == int(stop.group(1)) and 0 < second['start_step'] < 60, second  # the step it saved
     assert "fit: resumed from" in text
     assert (second['world_size'], second['steps']) == (2, 60)
     assert second['params_sha256'] == a['params_sha256']
@@ -96,7 +98,6 @@ def test_requeue_resumes_from_checkpoint_bitwise(slurm, tmp_path):
 def test_usr1_saves_requeues_itself_and_resumes_bitwise(slurm, tmp_path):
     """SIGUSR1, what `sbatch --signal=USR1@90` sends 90 s before the time limit (here sent by `scancel --signal`):
     fit stops at the next log step with a checkpoint of it, the job requeues itself, and resumes to the bitwise end"""
-    import re
     args = ['--steps', '1000', '--epochs', '32', '--every', '100000']  # no periodic checkpoint: only the signal's
     env, plain_out, out = job_env(tmp_path), tmp_path / 'plain.out', tmp_path / 'usr1.out'
     plain = slurm.sbatch('examples/slurm.sbatch', *args, env=env, output=plain_out)
@@ -108,9 +109,9 @@ def test_usr1_saves_requeues_itself_and_resumes_bitwise(slurm, tmp_path):
         assert slurm.state(job) in ('PENDING', 'RUNNING', 'CONFIGURING'), text()[-3000:]
         time.sleep(0.05)
     slurm.run('scancel', '--signal=USR1', job)
-    slurm.wait(job, timeout=120, until=lambda s: s == 'PENDING' and 'restart 1' not in text() and
-               "fit: SIGUSR1 received" in text())  # requeued by the job itself, not restarted yet
-    slurm.run('scontrol', 'update', f'jobid={job}', 'StartTime=now')  # SLURM delays a requeued job's start
+    slurm.wait(job, timeout=120, until=lambda s: s == 'PENDING' and "fit: SIGUSR1 received" in text())
+    assert 'restart 1' not in text()  # requeued by the job itself, and held back as SLURM holds a requeued job
+    slurm.release(job)
     slurm.wait(job, timeout=240)
     log = text()
     stop = int(re.search(r"fit: SIGUSR1 received: stopped at step (\d+)", log).group(1))
