@@ -71,7 +71,10 @@ def _agent(cmd, env) -> int:
         try: return p.wait()
         except KeyboardInterrupt:  # Ctrl-C reached torchrun and its ranks too (one process group): let them stop
             try: p.wait(timeout=30)
-            except subprocess.TimeoutExpired: p.terminate(); p.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # then SIGTERM, then SIGKILL: never return with torchrun running
+                p.terminate()
+                try: p.wait(timeout=30)
+                except subprocess.TimeoutExpired: p.kill(); p.wait()
             raise
     finally:
         for s, h in old.items(): signal.signal(s, h)

@@ -1,9 +1,10 @@
 """A real SLURM on namespace hosts (tools/slurm.sh: munged, slurmctld on host 1, one slurmd per host, each node at its
 host's own address): `sbatch examples/slurm.sbatch` trains equal to one process on 2 and 3 nodes, `scontrol requeue`
 of the running job resumes from its checkpoint to the bitwise result of an uninterrupted job, and so does the job that
-requeues itself on SIGUSR1 (what `--signal=USR1@90` sends before the time limit) after saving the step it stopped at. The SLURM-variable parsing
-itself is unit-tested with given variables in nbs/00_launchenv.ipynb. The CPU is the subject (`cpu_ranks`): ranks are
-CPU ranks on gloo. Needs root and `slurm-wlm munge` (run.sh test installs them); skips with the reason otherwise."""
+requeues itself on SIGUSR1 (what `--signal=USR1@90` sends before the time limit) after saving the step it stopped at.
+The SLURM-variable parsing itself is unit-tested with given variables in nbs/00_launchenv.ipynb. The CPU is the
+subject (`cpu_ranks`): ranks are CPU ranks on gloo. Needs root and `slurm-wlm munge` (run.sh test installs them); skips
+with the reason otherwise."""
 import json, os, re, subprocess, sys, time
 from pathlib import Path
 import pytest, psutil

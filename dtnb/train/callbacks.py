@@ -132,7 +132,7 @@ class KeepBest(Callback):
 _log = get_logger('dtnb.train.callbacks')
 
 def _signal(s) -> signal.Signals:
-    "A signal from its name ('SIGTERM', 'TERM') or number, or an error that lists the names"
+    "A signal from its name ('SIGTERM', 'TERM') or number, or an error that says how to name one"
     try: return signal.Signals(s) if isinstance(s, int) else signal.Signals[s if s.startswith('SIG') else f'SIG{s}']
     except (KeyError, ValueError, AttributeError):
         raise ValueError(f"Preemption: {s!r} is not a signal: use a name such as 'SIGTERM' or 'SIGUSR1'") from None

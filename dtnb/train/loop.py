@@ -423,8 +423,9 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
     _place(model, optimizer, device, kind)
     if compile: _compile(model, kind, compile if isinstance(compile, dict) else None)
 
-    if checkpoint_dir is not None and not any(isinstance(c, Preemption) for c in callbacks or ()):
-        callbacks = (*(callbacks or ()), Preemption())  # SIGTERM saves, under SLURM SIGUSR1 requeues
+    callbacks = list(callbacks or ())  # + a Preemption with checkpoints: SIGTERM saves, under SLURM SIGUSR1 requeues
+    if checkpoint_dir is not None and not any(isinstance(c, Preemption) for c in callbacks):
+        callbacks.append(Preemption())
     state = FitState(model, optimizer, FitResult(strategy=_strategy(model)), checkpoint_dir=checkpoint_dir,
                      metric_names=['val_loss', *as_metrics(metrics)] if val_loader is not None else [])
     run = _Run(state, loader, kind, device, precision, loss_fn, step_fn, keys, accumulate, clip, scheduler,
@@ -445,4 +446,4 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
             if _train_step(run, group) if group is not None else _end_epoch(run): break
         return _finish(run)
     finally:  # signal handlers as before fit, also after an error
-        for c in callbacks or (): isinstance(c, Preemption) and c.restore()
+        for c in callbacks: isinstance(c, Preemption) and c.restore()
