@@ -15,6 +15,7 @@ _API = '''
     simulate_schedule
     schedule_order bubble_fraction
     Degrees parallelize tp_plan apply_tp data_rank
+    ulysses ulysses_data ulysses_attention
     estimate_memory recommend measure_memory trace_activations memory_explorer TransformerShape MemoryEstimate
     layout_candidates step_time step_parts step_collectives Node
     MemoryPlan MemoryMeasurement

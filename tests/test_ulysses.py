@@ -1,0 +1,41 @@
+"Sequence parallel (Ulysses) on a transformers Llama, 2 ranks with FSDP, against one process: the pytest side of 03h"
+import pytest, torch
+import torch.distributed as dist
+import torch.distributed.fsdp  # imported once here, so that forked ranks do not each pay for it
+transformers = pytest.importorskip('transformers')  # imported once: forked ranks inherit it
+from transformers import LlamaConfig, LlamaForCausalLM
+from dtnb.launcher.processes import launch
+from dtnb.parallel.ulysses import ulysses, ulysses_data
+from dtnb.parallel.wrap import wrap
+
+transformers.logging.set_verbosity_error()
+VOCAB = 64
+TOKENS = torch.randint(0, VOCAB, (3, 2, 32), generator=torch.Generator().manual_seed(0))  # steps, batch, sequence
+
+def llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                        num_key_value_heads=1,  # fewer than the ranks: repeated per query head
+                                        intermediate_size=64, vocab_size=VOCAB, use_cache=False, bos_token_id=0,
+                                        eos_token_id=0, pad_token_id=0))
+
+def train(model):
+    opt, losses = torch.optim.AdamW(model.parameters(), lr=1e-2), []
+    for t in TOKENS:
+        loss = model(input_ids=t, labels=t).loss
+        loss.backward(); opt.step(); opt.zero_grad(); losses.append(loss.detach())
+    return torch.stack(losses)
+
+def _rank():
+    model = wrap(ulysses(llama(), 2), 'fsdp')
+    losses = train(model)
+    dist.all_reduce(losses); losses /= dist.get_world_size()
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return ulysses_data(model), losses, full
+
+def test_ulysses_fsdp_equals_one_process():
+    ref = llama(); ref_losses = train(ref)
+    for data, losses, sd in launch(_rank, nprocs=2, device='cpu'):
+        assert data == dict(num_replicas=1, rank=0)  # both ranks split the same sequences
+        torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-5)
+        for k, v in ref.state_dict().items(): torch.testing.assert_close(sd[k], v, rtol=0, atol=1e-4)
