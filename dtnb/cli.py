@@ -105,7 +105,8 @@ def _plan(args):
     if args.strategy:
         r = estimate_memory(model, args.strategy, args.world_size or 1, args.optimizer, args.precision,
                             shape=shape,
-                            activation_checkpointing=args.activation_checkpointing, offload=args.offload)
+                            activation_checkpointing=args.activation_checkpointing, offload=args.offload,
+                            ulysses=args.ulysses)
     else:
         r = recommend(model, shape=shape, world_size=args.world_size, optimizer=args.optimizer,
                       precision=args.precision,
@@ -165,6 +166,8 @@ def _add_plan(sub):
     p.add_argument('--activation-checkpointing', action='store_true',
                    help="with --strategy: recompute each block's activations in the backward")
     p.add_argument('--offload', action='store_true', help="with --strategy: CPU offload")
+    p.add_argument('--ulysses', type=int, default=1, metavar='SP',
+                   help="with --strategy: each sequence split over SP ranks (`ulysses(model, sp)`)")
     p.add_argument('--layouts', action='store_true', help="search parallelize's layouts (tp x pp x dp_shard x "
                                                          "dp_replicate) and rank those that fit by predicted step time")
     p.add_argument('--json', action='store_true', help="print as JSON")

@@ -1,4 +1,5 @@
-"Sequence parallel (Ulysses) on a transformers Llama, 2 ranks with FSDP, against one process: the pytest side of 03h"
+"""Sequence parallel (Ulysses) on a transformers Llama, 2 ranks with FSDP, against one process: the pytest side of 03h.
+The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
 import pytest, torch
 import torch.distributed as dist
 import torch.distributed.fsdp  # imported once here, so that forked ranks do not each pay for it
@@ -9,6 +10,7 @@ from dtnb.parallel.ulysses import ulysses, ulysses_data
 from dtnb.parallel.wrap import wrap
 
 transformers.logging.set_verbosity_error()
+pytestmark = pytest.mark.usefixtures('cpu_ranks')
 VOCAB = 64
 TOKENS = torch.randint(0, VOCAB, (3, 2, 32), generator=torch.Generator().manual_seed(0))  # steps, batch, sequence
 

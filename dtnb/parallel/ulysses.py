@@ -12,8 +12,8 @@ from torch import nn
 from ..core.dist import require_group, world_size, all_gather_objects
 
 # %% auto #0
-__all__ = ['IMPL', 'all_to_all', 'sequence_to_heads', 'heads_to_sequence', 'ulysses_attention', 'ulysses', 'ulysses_data',
-           'saved_activation_bytes']
+__all__ = ['IMPL', 'all_to_all', 'sequence_to_heads', 'heads_to_sequence', 'ulysses_attention', 'check_sp', 'ulysses',
+           'ulysses_data']
 
 # %% ../../nbs/03h_parallel.ulysses.ipynb #7f985290
 class _AllToAll(torch.autograd.Function):
@@ -127,13 +127,20 @@ def _causal(model) -> bool:
     return (type(model).__name__.endswith(('ForCausalLM', 'LMHeadModel'))
             or getattr(model.config, 'is_decoder', False) and 'ForMaskedLM' not in type(model).__name__)
 
+def check_sp(sp, world_size:int, heads:int|None=None, name:str='sp'):
+    "Raise unless `sp` ranks can split each sequence: a whole number dividing `world_size` (and `heads`, if known)"
+    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1 or world_size % sp:
+        raise ValueError(f"{name}={sp!r}: the ranks that split each sequence must be a whole number that divides the "
+                         f"world size {world_size}")
+    if heads and heads % sp:
+        raise ValueError(f"{heads} attention heads cannot be shared by {sp} sequence-parallel ranks: choose "
+                         f"{name} among {[d for d in range(1, heads + 1) if heads % d == 0]}")
+
 def _group(sp:int):
     "The process group of this rank's `sp` neighbours (every rank builds all groups, as torch requires)"
     import torch.distributed as dist
     ws = world_size()
-    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1 or ws % sp:
-        raise ValueError(f"ulysses(model, sp={sp!r}): sp is the number of ranks that split each sequence, a whole "
-                         f"number that divides the world size {ws}")
+    check_sp(sp, ws)
     groups = [dist.new_group(list(range(g, g + sp))) for g in range(0, ws, sp)]
     return groups[dist.get_rank() // sp]
 
@@ -150,11 +157,7 @@ def ulysses(model:nn.Module,
     if hasattr(model, '_dtnb_ulysses_data'):
         raise ValueError("this model's sequences are split already: call ulysses once")
     group = group if group is not None else _group(sp or world_size())
-    P, _ = _ways(group)
-    heads = getattr(model.config, 'num_attention_heads', None)
-    if heads and heads % P:
-        raise ValueError(f"{type(model).__name__} has {heads} attention heads, which {P} sequence-parallel ranks "
-                         f"cannot share: choose sp among {[d for d in range(1, heads + 1) if heads % d == 0]}")
+    check_sp(_ways(group)[0], _ways(group)[0], getattr(model.config, 'num_attention_heads', None))
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(IMPL, ulysses_attention)
@@ -175,15 +178,3 @@ def ulysses_data(model:nn.Module) -> dict:
     data = getattr(getattr(model, 'module', model), '_dtnb_ulysses_data', None)  # under DDP: its .module
     if data is None: raise ValueError("ulysses_data(model) takes a model that ulysses(model, sp) has split")
     return dict(data)
-
-# %% ../../nbs/03h_parallel.ulysses.ipynb #6baf1f32
-def saved_activation_bytes(model:nn.Module, **batch) -> int:
-    "Bytes of the tensors `model(**batch)` saves for its backward, each storage once, parameters left out"
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params: seen[s.data_ptr()] = s.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): model(**batch).loss.backward()
-    return sum(seen.values())

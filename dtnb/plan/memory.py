@@ -14,6 +14,7 @@ from ..core.models import find_blocks
 from .activations import ActivationTrace, trace_activations
 from ..parallel.pipeline_split import split_model, chain_problem, traced_stage_tensors
 from ..parallel.tensor import Degrees, tp_plan
+from ..parallel.ulysses import check_sp
 
 # %% auto #0
 __all__ = ['OPTIMIZERS', 'ALIASES', 'SHARDS', 'optimizer_bytes', 'TransformerShape', 'ModelSizes', 'model_sizes',
@@ -148,6 +149,7 @@ class MemoryEstimate:
     rank: int = 0
     unit: int|None = None        # parameters gathered at once under ZeRO-3 (None: unknown)
     degrees: Degrees|None = None # the `parallelize` layout estimated (`strategy` then names it)
+    ulysses: int = 1             # ranks splitting each sequence (`ulysses(model, sp)`): activations ÷ ulysses
 
     @property
     def model_states(self) -> int: return self.parameters + self.gradients + self.optimizer_states
@@ -156,7 +158,7 @@ class MemoryEstimate:
     @property
     def label(self) -> str:
         ac = ' + activation checkpointing' * self.activation_checkpointing
-        return self.strategy + ac + ' + offload' * self.offload
+        return self.strategy + ac + ' + offload' * self.offload + f" + ulysses {self.ulysses}" * (self.ulysses > 1)
     @property
     def unknown(self) -> list:
         "What the total leaves out: activations not estimated, gathered units not known"
@@ -177,7 +179,8 @@ class MemoryEstimate:
             by = [k for k in ('pp', 'tp', 'dp_shard') if getattr(self.degrees, k) > 1]
             sh = lambda c: f"rank {self.rank}: split by {' × '.join(by)}" if by else 'whole'
         off = lambda c: ', on host' if self.offload and c in split else ''
-        act = 'not estimated: give batch= or shape=' if self.activations is None else self.activation_source
+        act = ('not estimated: give batch= or shape=' if self.activations is None else self.activation_source
+               + f" ÷ {self.ulysses} (ulysses)" * (self.ulysses > 1))
         units = self.strategy == 'zero3' and self.unit is None
         tmp = 'approximate' + ('; gathered units not counted: give a model or shape=' if units else '')
         return [('parameters', self.parameters, sh('parameters') + off('parameters')),
@@ -287,8 +290,13 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
                     example=None, # a pipeline's microbatch of inputs, as given to `apply_pipeline` (see `stage_sizes`)
                     degrees:Degrees|None=None, # a layout for `parallelize` instead of a strategy (see below)
                     sequence_parallel:bool=False, # with `degrees.tp > 1`: activations split by sequence too
+                    ulysses:int=1, # ranks splitting each sequence (`ulysses(model, sp)`): activations ÷ ulysses
                    ) -> MemoryEstimate:
     "Bytes per device for parameters, gradients, optimizer state, activations and temporary buffers"
+    check_sp(ulysses, world_size, getattr(shape or model, 'heads', None), 'ulysses')  # as ulysses(model, sp) does
+    if ulysses > 1 and (degrees is not None or str(strategy).lower() in ('pipeline', 'single')):
+        raise ValueError(f"ulysses={ulysses} splits sequences over data-parallel ranks: plan it with 'ddp' or a ZeRO "
+                         f"stage over world_size ranks, not {'degrees=' if degrees is not None else repr(strategy)}")
     if degrees is not None:
         return _estimate_layout(model, degrees, strategy, world_size, optimizer, precision, batch, loss_fn, shape,
                                 activation_checkpointing, offload, activations, units, rank, example, sequence_parallel)
@@ -316,9 +324,11 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
     if offload: dev |= {c: 0 for c in SHARDS[strategy]}
     acts, src = _activations(model, sizes, batch, loss_fn, shape, activations, precision, activation_checkpointing,
                              units)
+    if acts is not None: acts //= ulysses
     tmp = comm + (0 if offload else opt_tmp)
     return MemoryEstimate(strategy, world_size, optimizer, precision, psi, dev['parameters'], dev['gradients'],
-                          dev['optimizer'], acts, tmp, host, activation_checkpointing, offload, src, rank, unit)
+                          dev['optimizer'], acts, tmp, host, activation_checkpointing, offload, src, rank, unit,
+                          ulysses=ulysses)
 
 # %% ../../nbs/04a_plan.memory.ipynb #10c03489
 def layout_coords(degrees:Degrees, rank:int) -> dict:
