@@ -3,7 +3,7 @@ namespace host of `tools/cluster.sh`) driven from Python. Nodes are host1..hostN
 
     with SlurmCluster(2) as s:
         job = s.sbatch('examples/slurm.sbatch', '--steps', '6', env=env, output='/tmp/job-%j.out')
-        s.wait(job)                      # until it left the queue; s.state(job) while it runs
+        s.wait(job)                      # until it ended (COMPLETED, FAILED, ...); s.state(job) while it runs
 """
 import os, shutil, subprocess, time
 from pathlib import Path
@@ -47,16 +47,32 @@ class SlurmCluster:
         out = ['-o', str(output)] if output else []
         return int(self.run('sbatch', '--parsable', *out, *options, script, *args, env=env).strip().split(';')[0])
 
-    def state(self, job:int) -> str:
-        "The job's state ('PENDING', 'RUNNING', ...), or '' once it left the queue"
-        return self.run('squeue', '-h', '-j', job, '-o', '%T', check=False).strip()
+    FINAL = ('COMPLETED', 'FAILED', 'CANCELLED', 'TIMEOUT', 'NODE_FAIL', 'OUT_OF_MEMORY', 'BOOT_FAIL', 'DEADLINE',
+             'PREEMPTED')
 
-    def wait(self, job:int, timeout:float=300, until=lambda s: s == ''):
-        "Poll until `until(state)` (default: the job left the queue); the last state"
-        end = time.monotonic() + timeout
-        while not until(s := self.state(job)):
-            if time.monotonic() > end: raise TimeoutError(f"job {job} still {s} after {timeout}s")
+    def state(self, job:int) -> str:
+        """The job's state ('PENDING', 'RUNNING', 'COMPLETED', ...; every state, `squeue -t all`), or '' once the
+        controller forgot it; a failed query (slurmctld busy with a requeue) is asked again"""
+        for _ in range(60):
+            r = subprocess.run(self.argv(['squeue', '-h', '-t', 'all', '-j', job, '-o', '%T']), capture_output=True,
+                               text=True, timeout=60, cwd=ROOT)
+            if r.returncode == 0: return r.stdout.strip()
+            if 'Invalid job id' in r.stderr: return ''
             time.sleep(0.5)
+        raise RuntimeError(f"squeue -j {job} kept failing: {r.stderr.strip()}")
+
+    def show(self, job:int) -> str:
+        "`scontrol show job`: its state, reason, restarts and times, for a failing test's message"
+        return self.run('scontrol', 'show', 'job', job, check=False).strip()
+
+    def wait(self, job:int, timeout:float=300, until=None):
+        "Poll until `until(state)` (default: the job ended, `FINAL`); the last state; `self.seen`: the states passed"
+        until, end, self.seen = until or (lambda s: s in self.FINAL or s == ''), time.monotonic() + timeout, []
+        while not until(s := self.state(job)):
+            if not self.seen or self.seen[-1] != s: self.seen.append(s)
+            if time.monotonic() > end: raise TimeoutError(f"job {job} still {s} after {timeout}s: {self.show(job)}")
+            time.sleep(0.5)
+        self.seen.append(s)
         return s
 
     def requeue(self, job:int):

@@ -117,7 +117,7 @@ def test_usr1_saves_requeues_itself_and_resumes_bitwise(slurm, tmp_path):
     log = text()
     stop = int(re.search(r"fit: SIGUSR1 received: stopped at step (\d+)", log).group(1))
     assert 0 < stop < 1000 and stop % 10 == 0, log[-3000:]
-    assert f"job {job} on host[1-2], restart 1" in log, log[-3000:]
+    assert f"job {job} on host[1-2], restart 1" in log, f"{log[-3000:]}\nstates {slurm.seen}\n{slurm.show(job)}"
     (a,), second = results(plain_out), results(out)[-1]
     assert (second['world_size'], second['start_step'], second['steps']) == (2, stop, 1000), log[-3000:]
     assert second['params_sha256'] == a['params_sha256'] and second['losses'] == a['losses']
