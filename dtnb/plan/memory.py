@@ -293,14 +293,14 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
                     ulysses:int=1, # ranks splitting each sequence (`ulysses(model, sp)`): activations ÷ ulysses
                    ) -> MemoryEstimate:
     "Bytes per device for parameters, gradients, optimizer state, activations and temporary buffers"
-    check_sp(ulysses, world_size, getattr(shape or model, 'heads', None), 'ulysses')  # as ulysses(model, sp) does
-    if ulysses > 1 and (degrees is not None or str(strategy).lower() in ('pipeline', 'single')):
+    if ulysses != 1 and (degrees is not None or str(strategy).lower() in ('pipeline', 'single')):
         raise ValueError(f"ulysses={ulysses} splits sequences over data-parallel ranks: plan it with 'ddp' or a ZeRO "
                          f"stage over world_size ranks, not {'degrees=' if degrees is not None else repr(strategy)}")
     if degrees is not None:
         return _estimate_layout(model, degrees, strategy, world_size, optimizer, precision, batch, loss_fn, shape,
                                 activation_checkpointing, offload, activations, units, rank, example, sequence_parallel)
     strategy, optimizer, precision = check_setup(strategy, world_size, optimizer, precision, offload, rank)
+    check_sp(ulysses, world_size, getattr(shape or model, 'heads', None), 'ulysses')  # as ulysses(model, sp) does
     if isinstance(model, TransformerShape): model, shape = model.params(), shape or model
     sizes = model_sizes(model, units) if hasattr(model, 'parameters') else None
     if sizes is None and (isinstance(model, bool) or not isinstance(model, (int, float)) or model <= 0):
