@@ -104,9 +104,17 @@ def _fake(mode, fake):
         with mode: return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device='cpu')  # meta: as CPU
     return conv
 
+def _unmasked(model, batch):
+    "`batch` without the `attention_mask` of a transformers model when every value of it is 1 (see below)"
+    m = batch.get('attention_mask') if isinstance(batch, dict) else None
+    hf = type(getattr(model, 'module', model)).__module__.startswith('transformers.')
+    if not hf or not isinstance(m, torch.Tensor) or m.is_meta or not bool((m == 1).all()): return batch
+    return {k: v for k, v in batch.items() if k != 'attention_mask'}
+
 def _prepare(model, batch, precision, fake):
     "Parameters, buffers and batch for the traced forward: fake (no memory) or real, cast for pure half precision"
     from torch._subclasses.fake_tensor import FakeTensorMode
+    if fake: batch = _unmasked(model, batch)
     mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else contextlib.nullcontext()
     conv, cast = _fake(mode, fake), PRECISIONS[precision].params == 2  # parameters themselves are half: cast them too
     def half(t):
