@@ -10,7 +10,7 @@ The global batch is fixed (--global-batch), so every launch computes the same st
 parameters agree whatever the number of ranks. The main rank prints one JSON line with the results: the losses, a
 checksum and a hash of the final parameters' bytes (equal hashes: bitwise equal parameters).
 """
-import argparse, hashlib, json
+import argparse, hashlib, json, sys
 import torch
 from dtnb.launcher.processes import init_distributed, shutdown
 from dtnb.core.dist import is_main, world_size
@@ -40,10 +40,11 @@ def main():
     inner = getattr(model, 'module', model)
     checksum = sum(p.detach().double().sum().item() for p in inner.parameters())
     sha = hashlib.sha256(b''.join(p.detach().cpu().numpy().tobytes() for p in inner.parameters())).hexdigest()
-    if is_main():
-        print(json.dumps(dict(world_size=world_size(), steps=res.steps, losses=res.losses, checksum=checksum,
-                              params_sha256=sha, start_step=res.start_step, samples_per_s=res.samples_per_s)),
-              flush=True)
+    if is_main():  # one write, newline included (print writes the newline apart, and another writer may come between)
+        sys.stdout.write(json.dumps(dict(world_size=world_size(), steps=res.steps, losses=res.losses, checksum=checksum,
+                                         params_sha256=sha, start_step=res.start_step,
+                                         samples_per_s=res.samples_per_s)) + '\n')
+        sys.stdout.flush()
     del model, opt
     shutdown()
 

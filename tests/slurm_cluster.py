@@ -62,8 +62,11 @@ class SlurmCluster:
         raise RuntimeError(f"squeue -j {job} kept failing: {r.stderr.strip()}")
 
     def show(self, job:int) -> str:
-        "`scontrol show job`: its state, reason, restarts and times, for a failing test's message"
-        return self.run('scontrol', 'show', 'job', job, check=False).strip()
+        "`scontrol show job`, and what the daemons' logs say of the job: for a failing test's message"
+        logs = [f"{f.name}: {l}" for f in sorted((self.dir / 'log').glob('slurm*.log'))
+                for l in f.read_text(errors='replace').splitlines() if f"JobId={job} " in l or f"job {job} " in l
+                or f"job{job} " in l or f"StepId={job}." in l or f"job {job}:" in l or f"JobId={job}:" in l]
+        return self.run('scontrol', 'show', 'job', job, check=False).strip() + '\n' + '\n'.join(logs[-60:])
 
     def wait(self, job:int, timeout:float=300, until=None):
         "Poll until `until(state)` (default: the job ended, `FINAL`); the last state; `self.seen`: the states passed"
@@ -81,8 +84,17 @@ class SlurmCluster:
         self.release(job)
 
     def release(self, job:int, timeout:float=60):
-        "Once the requeued job is back in the queue (its ranks may take seconds to save and stop), start it now"
+        """Once the requeued job is back in the queue and its nodes are idle again (its ranks may take seconds to save
+        and stop), start it now. A slurmd revokes the old incarnation's credential when it kills it and refuses a
+        launch whose credential is from the same second or earlier ("Killing non-startable batch JobId=4: Job
+        credential revoked", and the job FAILS): the delay SLURM gives a requeued job is there for that, and this
+        start waits for the nodes, then for a later second"""
         self.wait(job, timeout, until=lambda s: s == 'PENDING')
+        end = time.monotonic() + timeout
+        while (nodes := self.run('sinfo', '-h', '-N', '-o', '%T').split()) != ['idle'] * self.n:
+            if time.monotonic() > end: raise TimeoutError(f"nodes still {nodes} {timeout}s after job {job} stopped")
+            time.sleep(0.2)
+        time.sleep(1.5)
         self.run('scontrol', 'update', f'jobid={job}', 'StartTime=now')
 
     def down(self):

@@ -39,7 +39,10 @@ def job_env(tmp_path):
 
 def results(out:Path) -> list[dict]:
     "The JSON result lines train.py's main rank printed into a job's output file"
-    return [json.loads(l) for l in out.read_text().splitlines() if l.startswith('{')]
+    # The JSON object that begins the line: srun writes its own messages into the same file, and when it stops a
+    # requeued step one can land right after a long line, before its newline ('...}srun: error: host2: task 1:
+    # Terminated'); a line cut inside the object still fails here.
+    return [json.JSONDecoder().raw_decode(l)[0] for l in out.read_text().splitlines() if l.startswith('{')]
 
 
 SHORT = ['--steps', '6', '--global-batch', '12']  # 12 samples a step: a whole number per rank on 1, 2 or 3 nodes
