@@ -99,6 +99,7 @@ def cell_fn():
 """
 
 
+@pytest.mark.long  # a measured cause, 6 s: bash run.sh test-long
 def test_the_thread_pool_matters_only_for_ranks_of_more_than_one_thread():
     out = _run("""
         torch.set_num_threads(2)

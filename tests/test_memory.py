@@ -217,6 +217,7 @@ def test_rank_error_in_a_real_step_is_reported():
 
 # ---- parallelize layouts: estimated vs measured on 4 gloo ranks ------------------------------------------------------
 
+@pytest.mark.long  # measured accuracy, every layout on 4 ranks (9 s): bash run.sh test-long
 def test_layouts_measured_equal_estimates():
     "HSDP, TP × FSDP, PP × DP and TP alone, one launch of 4 ranks: model states byte for byte on every rank"
     from dtnb.parallel.tensor import Degrees
@@ -244,6 +245,7 @@ def test_layouts_measured_equal_estimates():
     assert ppd.measured[0]['parameters'] != ppd.measured[2]['parameters']  # two stages, each halved by dp_shard
 
 
+@pytest.mark.long  # measured accuracy, every layout on 4 ranks (8 s): bash run.sh test-long
 def test_llama_layouts_measured_equal_estimates():
     "A Hugging Face Llama from a config: TP × FSDP, TP alone and PP × FSDP (traced stages) on 4 ranks: exact states"
     transformers = pytest.importorskip('transformers')

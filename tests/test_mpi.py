@@ -136,6 +136,7 @@ def test_srun_style_variables_train_and_equal_one_process(one_process):
     assert got[0]['master'][0] == '127.0.0.1'  # one node: loopback, not a name to resolve
 
 
+@pytest.mark.long  # a second launcher's variables (mpirun's own run stays here): bash run.sh test-long
 def test_pmi_variables_train_and_equal_one_process(one_process):
     port = free_port()
     outs = two_ranks([hydra_vars(r, port) for r in (0, 1)], TRAIN)
