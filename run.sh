@@ -22,6 +22,9 @@ setup() {
     "$VENV/bin/pip" install -q ${TORCH_SPEC:-torch==2.13.0}  # unquoted: may carry pip options
   fi
   "$VENV/bin/pip" install -q -e ".[dev]"
+  # Bytecode for dtnb itself: pip compiled the installed packages, but an editable install is imported from the
+  # sources, and where PYTHONDONTWRITEBYTECODE is set (these machines) every process would compile dtnb again
+  "$VENV/bin/python" -m compileall -q dtnb >/dev/null || true
 }
 
 # What `run.sh test` needs outside Python: mpirun (tests/test_mpi.py), Chromium (tests/test_site.py) and iproute2's

@@ -146,6 +146,7 @@ def test_scaling_with_ddp_on_local_ranks():
     assert r.config['threads_per_rank'] == (max(1, usable_cores() // 2) if cpu else None)
 
 
+@pytest.mark.long  # a whole-tool run (`dtnb bench all`; 07's notebooks test each benchmark): bash run.sh test-long
 def test_bench_all_saves_json_and_png(tmp_path):
     lines = []
     res = bench_all(quick=True, out=tmp_path, only=['matmul', 'collectives'], progress=False, print_fn=lines.append)
