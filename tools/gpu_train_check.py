@@ -41,12 +41,17 @@ def batch_size_tried(device):
     "find_batch_size by trying: on a GPU with a memory fraction that makes it run out quickly; on the CPU a budget"
     big, xy = dtnb.ToyModel(d_in=1024, d=512, depth=4, d_out=10), (torch.randn(1, 1024), torch.tensor([1]))
     if device == 'cuda':
+        for amp in (False, True):  # cuBLAS's workspaces (one per thread) exist from here on, for the process's life
+            with torch.autocast('cuda', torch.bfloat16, enabled=amp):
+                torch.nn.Linear(8, 8, device='cuda')(torch.randn(2, 8, device='cuda')).sum().backward()
+        torch.cuda.synchronize(); base = torch.cuda.memory_allocated()
         torch.cuda.set_per_process_memory_fraction(0.05)  # a few GB: the steps that fill it are quick
         try: r = dtnb.find_batch_size(big, xy, loss_fn=F.cross_entropy, precision='bf16-mixed', method='try',
                                       max_batch=2**22)
         finally: torch.cuda.set_per_process_memory_fraction(1.0)
         assert any(b is None for _, b, _ in r.checks), r  # it ran out of memory at least once, and went on
-        assert torch.cuda.memory_allocated() < 2**20, torch.cuda.memory_allocated()  # failed steps left nothing
+        left = torch.cuda.memory_allocated() - base
+        assert left < 2**20, (base, left)  # the failed steps left nothing behind
     else:  # trying needs an accelerator (on a CPU running out of memory kills the process): the estimate instead
         r = dtnb.find_batch_size(big, xy, loss_fn=F.cross_entropy, precision='bf16-mixed', method='estimate',
                                  memory='1GB', max_batch=4096)

@@ -82,7 +82,16 @@ def _torch_cuda_facts(torch) -> dict:
                          free=free, sms=p.multi_processor_count, uuid=str(getattr(p, 'uuid', '')) or None,
                          bus_id=None if bus is None else f"{p.pci_domain_id:08X}:{bus:02X}:{p.pci_device_id:02X}.0"))
     p2p = [[i == j or bool(torch.cuda.can_device_access_peer(i, j)) for j in range(n)] for i in range(n)]
-    return dict(devices=devs, p2p=p2p)
+    return dict(devices=devs, p2p=p2p, **_cuda_libraries(torch))
+
+def _cuda_libraries(torch) -> dict:
+    "The cuDNN and NCCL versions torch loads (on a GPU machine asking initialises CUDA: seen with torch 2.11, H200)"
+    nccl = None
+    try:
+        if torch.version.cuda: nccl = '.'.join(map(str, torch.cuda.nccl.version()))
+    except Exception: pass
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return dict(cudnn=cudnn, nccl=nccl)
 
 # %% ../../nbs/01a_detection.device.ipynb #65905a6d
 _CHILD = ("import json, torch; from dtnb.detection.device import _torch_cuda_facts; "
@@ -227,13 +236,13 @@ def fork_hazards(threads_per_rank:int=1, # torch threads each forked rank would 
 
 # %% ../../nbs/01a_detection.device.ipynb #8db97ba4
 def _torch_build(torch):
-    nccl = None
-    try:
-        if torch.version.cuda: nccl = '.'.join(map(str, torch.cuda.nccl.version()))
-    except Exception: pass
-    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    "torch's version and the CUDA, cuDNN and NCCL it was built with, without initialising CUDA here"
+    if torch.cuda.is_initialized() or not torch.cuda.device_count(): libs = _cuda_libraries(torch)
+    else:  # from the child that asks about the devices (see above), which detect() starts anyway
+        facts = _child_cuda_facts()
+        libs = dict(cudnn=facts.get('cudnn'), nccl=facts.get('nccl'))
     return dict(version=torch.__version__, cuda=torch.version.cuda, hip=torch.version.hip,
-                xpu=getattr(torch.version, 'xpu', None), cudnn=cudnn, nccl=nccl)
+                xpu=getattr(torch.version, 'xpu', None), **libs)
 
 def _backends():
     import torch.distributed as dist
