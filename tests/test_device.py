@@ -190,7 +190,13 @@ def gpu_node(monkeypatch):
                          ('get_device_properties', lambda i: _props(i + 2)),
                          ('mem_get_info', (H100['free'], H100['total']))]:
         monkeypatch.setattr(torch.cuda, name, record(name, result))
-    facts = dict(devices=[dict(H100, uuid=UUIDS[i][4:], bus_id=BUS[i]) for i in (2, 3)], p2p=[[True] * 2] * 2)
+    # the library versions: asking for them initialised CUDA on an H200 with torch 2.11 (the first GPU check)
+    monkeypatch.setattr(torch.version, 'cuda', '13.0')
+    monkeypatch.setattr(torch.backends.cudnn, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, 'version', record('cudnn.version', 91900))
+    monkeypatch.setattr(torch.cuda.nccl, 'version', record('nccl.version', (2, 28, 9)))
+    facts = dict(devices=[dict(H100, uuid=UUIDS[i][4:], bus_id=BUS[i]) for i in (2, 3)], p2p=[[True] * 2] * 2,
+                 cudnn=91900, nccl='2.28.9')
     # what the child process answers
     monkeypatch.setattr(device_mod, '_child_cuda_facts', lambda *a, **k: facts, raising=False)
     monkeypatch.setitem(sys.modules, 'pynvml', nv)
@@ -202,6 +208,7 @@ def test_detect_never_initialises_cuda(gpu_node):
     r = detect()
     assert calls == [], f"detect() called CUDA-initialising functions in this process: {calls}"
     assert torch.cuda.is_initialized() is False and r.cuda_initialized is False
+    assert (r.torch['cudnn'], r.torch['nccl']) == (91900, '2.28.9')  # the child's answer
     hazards = device_mod.fork_hazards()   # what else this process ran before (autograd threads on a CUDA build, ...)
     assert r.recommended['fork_safe'] == (hazards == [])
     if not hazards: assert 'no CUDA context' in r.recommended['fork_reason']
@@ -262,5 +269,8 @@ def test_detect_with_cuda_already_initialised_asks_torch_here(gpu_node, monkeypa
 def test_child_query_runs_here_without_touching_cuda(monkeypatch):
     "The real child query on this CPU build: a separate process answers, and this one stays uninitialised"
     monkeypatch.setattr(device_mod, '_child_facts', {})
-    assert device_mod._child_cuda_facts() == dict(devices=[], p2p=[])
+    facts = device_mod._child_cuda_facts()
+    assert (facts['devices'], facts['p2p']) == ([], [])
+    libs = device_mod._cuda_libraries(torch)  # no GPU here, so asking here initialises nothing either
+    assert (facts['cudnn'], facts['nccl']) == (libs['cudnn'], libs['nccl'])
     assert torch.cuda.is_initialized() is False
