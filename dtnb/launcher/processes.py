@@ -167,6 +167,11 @@ def _dump(obj, path):
     with open(path + '.tmp', 'wb') as f: cloudpickle.dump(obj, f)
     os.replace(path + '.tmp', path)
 
+def _write_atomic(path, text:str):
+    "Write `text` to `path` whole or not at all (temp file, then rename): a reader never sees half of it"
+    with open(path + '.tmp', 'w') as f: f.write(text)
+    os.replace(path + '.tmp', path)
+
 # %% ../../nbs/02a_launcher.processes.ipynb #cd8039be
 def _rank_main(rank, nprocs, payload, tmp, env, threads, out_conn, backend, pg_timeout):
     "Entry point of one rank started by `launch`"
@@ -194,8 +199,8 @@ def _rank_main(rank, nprocs, payload, tmp, env, threads, out_conn, backend, pg_t
         del out
         barrier()  # nobody leaves while a peer may still be exchanging data with it
         code = 0   # os._exit below skips interpreter teardown, where gloo's abort-at-exit happens (no gc needed)
-    except BaseException as e:
-        with open(os.path.join(tmp, f'error_{rank}.txt'), 'w') as f: f.write(traceback.format_exc())
+    except BaseException:  # the whole traceback or none: the launcher may stop this rank while it writes
+        _write_atomic(os.path.join(tmp, f'error_{rank}.txt'), traceback.format_exc())
     finally:
         with contextlib.suppress(Exception): sys.stdout.flush(); sys.stderr.flush()
         os._exit(code)
