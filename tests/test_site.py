@@ -52,27 +52,37 @@ def browser():
         b.close()
 
 
+class Tab:
+    "One browser tab that loads page after page (a new tab per page costs 3x the time), each with its own problems"
+    def __init__(self, browser):
+        self.page = browser.new_page(viewport={'width': 1300, 'height': 900})
+        self.errors, self.failed = [], []  # of the page loaded last: the handlers read them when they fire
+        self.page.on('console', lambda m: self.errors.append(m.text) if m.type == 'error' else None)
+        self.page.on('pageerror', lambda e: self.errors.append(str(e)))
+        self.page.on('requestfailed', lambda r: self.failed.append(r.url))
+        self.page.on('response', lambda r: self.failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+
+    def load(self, url):
+        "Load `url`; return (page, console errors, failed requests)"
+        self.errors, self.failed = [], []
+        self.page.goto(url, wait_until='load')
+        return self.page, self.errors, self.failed
+
+
 def visit(browser, url):
-    "Load `url`; return (page, console errors, failed requests)"
-    page = browser.new_page(viewport={'width': 1300, 'height': 900})
-    errors, failed = [], []
-    page.on('console', lambda m: errors.append(m.text) if m.type == 'error' else None)
-    page.on('pageerror', lambda e: errors.append(str(e)))
-    page.on('requestfailed', lambda r: failed.append(r.url))
-    page.on('response', lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
-    page.goto(url, wait_until='load')
-    return page, errors, failed
+    "Load `url` in a new tab; return (page, console errors, failed requests)"
+    return Tab(browser).load(url)
 
 
 def test_every_page_loads_cleanly_and_is_reachable(site, browser):
     pages = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob('*.html'))
     assert 'index.html' in pages and len(pages) >= 5
-    seen, todo, problems = set(), ['index.html'], []
+    seen, todo, problems, tab = set(), ['index.html'], [], Tab(browser)
     while todo:
         rel = todo.pop()
         if rel in seen: continue
         seen.add(rel)
-        page, errors, failed = visit(browser, site + rel)
+        page, errors, failed = tab.load(site + rel)
         problems += [f"{rel}: console: {e}" for e in errors] + [f"{rel}: request: {f}" for f in failed]
         broken = page.evaluate("[...document.images].filter(i => !(i.complete && i.naturalWidth > 0))"
                                ".map(i => i.src.slice(0, 80))")
@@ -83,7 +93,7 @@ def test_every_page_loads_cleanly_and_is_reachable(site, browser):
             target = u.path[len(urlparse(site).path):] or 'index.html'
             if not (DOCS / target).exists(): problems.append(f"{rel}: broken link {href}")
             elif target.endswith('.html'): todo.append(target)
-        page.close()
+    tab.page.close()
     assert problems == [], '\n'.join(problems)
     assert sorted(seen) == pages, f"pages not reachable from the navigation: {sorted(set(pages) - seen)}"
 
