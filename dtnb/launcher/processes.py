@@ -161,16 +161,15 @@ def _redirect_output(conn):
     sys.stdout = io.TextIOWrapper(io.FileIO(1, 'w', closefd=False), line_buffering=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, 'w', closefd=False), line_buffering=True)
 
-def _dump(obj, path):
-    "Write `obj` with cloudpickle atomically (temp file, then rename)"
-    import cloudpickle
-    with open(path + '.tmp', 'wb') as f: cloudpickle.dump(obj, f)
+def _write_atomic(path, write, binary:bool=False):
+    "Call `write(f)` on a temp file, then rename it to `path`: a reader sees the whole file or none"
+    with open(path + '.tmp', 'wb' if binary else 'w') as f: write(f)
     os.replace(path + '.tmp', path)
 
-def _write_atomic(path, text:str):
-    "Write `text` to `path` whole or not at all (temp file, then rename): a reader never sees half of it"
-    with open(path + '.tmp', 'w') as f: f.write(text)
-    os.replace(path + '.tmp', path)
+def _dump(obj, path):
+    "Write `obj` with cloudpickle (streamed: a large result is never held twice), atomically"
+    import cloudpickle
+    _write_atomic(path, lambda f: cloudpickle.dump(obj, f), binary=True)
 
 # %% ../../nbs/02a_launcher.processes.ipynb #cd8039be
 def _rank_main(rank, nprocs, payload, tmp, env, threads, out_conn, backend, pg_timeout):
@@ -200,7 +199,8 @@ def _rank_main(rank, nprocs, payload, tmp, env, threads, out_conn, backend, pg_t
         barrier()  # nobody leaves while a peer may still be exchanging data with it
         code = 0   # os._exit below skips interpreter teardown, where gloo's abort-at-exit happens (no gc needed)
     except BaseException:  # the whole traceback or none: the launcher may stop this rank while it writes
-        _write_atomic(os.path.join(tmp, f'error_{rank}.txt'), traceback.format_exc())
+        tb = traceback.format_exc()
+        _write_atomic(os.path.join(tmp, f'error_{rank}.txt'), lambda f: f.write(tb))
     finally:
         with contextlib.suppress(Exception): sys.stdout.flush(); sys.stderr.flush()
         os._exit(code)
