@@ -265,6 +265,29 @@ def test_llama_layouts_measured_equal_estimates():
     assert res[2].measured[0]['parameters'] != res[2].measured[2]['parameters']  # two stages, each halved by FSDP
 
 
+
+@pytest.mark.long  # measured accuracy, 3 layouts on 4 ranks (6 s): bash run.sh test-long
+def test_sequence_parallel_layouts_measured_equal_estimates():
+    "Ulysses as a degree: FSDP over dp_shard × sp, DDP over dp_replicate × sp, tp × sp: exact states, activations ÷ sp"
+    transformers = pytest.importorskip('transformers')
+    from dtnb.parallel.tensor import Degrees
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, use_cache=False)
+    m = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 128, (2, 16))
+    batch = dict(input_ids=ids, labels=ids)  # every rank of an sp group gets it; ulysses cuts its sequences in two
+    layouts = [Degrees(dp_shard=2, sp=2), Degrees(dp_replicate=2, sp=2), Degrees(sp=2, tp=2)]
+    shard, rep, tp = measure_memory(m, batch, degrees=layouts, timeout=120)
+    for r in (shard, rep, tp): assert r.exact, str(r)
+    whole = measure_memory(m, batch, degrees=Degrees(dp_replicate=2), timeout=120).measured[0]  # sequences whole
+    assert shard.measured[0]['parameters'] == estimate_memory(m, degrees=Degrees(dp_shard=4)).parameters  # 4 shards
+    assert rep.measured[0]['parameters'] == whole['parameters']
+    for r in (shard, rep):
+        for e, x in zip(r.estimates, r.measured):
+            assert abs(e.activations - x['activations']) <= 0.05 * x['activations'], str(r)
+            assert x['activations'] < 0.6 * whole['activations']  # half of every sequence, measured
+
 def test_layout_errors_say_what_to_do():
     from dtnb.parallel.tensor import Degrees
     m = ToyModel()

@@ -1,4 +1,5 @@
-"""Sequence parallel (Ulysses) on a transformers Llama, 2 ranks with FSDP, against one process: the pytest side of 03h.
+"""Sequence parallel (Ulysses) on a transformers Llama against one process: wrapped by hand (03h), and as a degree of
+`parallelize` (03g).
 The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
 import pytest, torch
 import torch.distributed as dist
@@ -40,4 +41,42 @@ def test_ulysses_fsdp_equals_one_process():
     for data, losses, sd in launch(_rank, nprocs=2, device='cpu'):
         assert data == dict(num_replicas=1, rank=0)  # both ranks split the same sequences
         torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-5)
+        for k, v in ref.state_dict().items(): torch.testing.assert_close(sd[k], v, rtol=0, atol=1e-4)
+
+
+# ---- sp as a degree of `parallelize`: the sp ranks average gradients with the data-parallel ones -------------------
+
+BATCHES = torch.randint(0, VOCAB, (3, 4, 32), generator=torch.Generator().manual_seed(1))  # steps, batch, sequence
+
+def _parallelized(degrees):
+    from dtnb.parallel.tensor import Degrees, parallelize, data_rank
+    d = Degrees(**degrees)
+    mesh = d.build_mesh()
+    model = parallelize(llama(), d, mesh=mesh)
+    (r, n), b = data_rank(mesh), BATCHES.shape[1] // data_rank(mesh)[1]
+    opt, losses = torch.optim.AdamW(model.parameters(), lr=1e-2), []
+    for t in BATCHES[:, r * b:(r + 1) * b]:
+        loss = model(input_ids=t, labels=t).loss
+        loss.backward(); opt.step(); opt.zero_grad(); losses.append(loss.detach())
+    losses = torch.stack(losses); dist.all_reduce(losses); losses /= dist.get_world_size()
+    sd = {k: getattr(v, 'full_tensor', lambda: v)() for k, v in getattr(model, 'module', model).state_dict().items()}
+    return type(model).__name__, ulysses_data(model), losses, sd
+
+@pytest.mark.parametrize('degrees,wrapped', [
+    (dict(sp=2), 'DistributedDataParallel'),                   # DDP over the sp ranks
+    (dict(dp_replicate=2, sp=2), 'DistributedDataParallel'),   # DDP over dp_replicate × sp
+    pytest.param(dict(dp_replicate=2, dp_shard=2, sp=2), 'FSDPLlamaForCausalLM', marks=pytest.mark.long)])  # 8 ranks
+def test_parallelize_sp_equals_one_process(degrees, wrapped):
+    from dtnb.parallel.tensor import Degrees
+    ref = llama()
+    opt, ref_losses = torch.optim.AdamW(ref.parameters(), lr=1e-2), []
+    for t in BATCHES:
+        loss = ref(input_ids=t, labels=t).loss
+        loss.backward(); opt.step(); opt.zero_grad(); ref_losses.append(loss.detach())
+    ws = Degrees(**degrees).world_size
+    res = launch(_parallelized, degrees, nprocs=ws, device='cpu', timeout=240)
+    assert [data for _, data, _, _ in res] == [dict(rank=i // 2, num_replicas=ws // 2) for i in range(ws)]
+    for kind, _, losses, sd in res:
+        assert kind == wrapped
+        torch.testing.assert_close(losses, torch.stack(ref_losses), rtol=0, atol=1e-5)
         for k, v in ref.state_dict().items(): torch.testing.assert_close(sd[k], v, rtol=0, atol=1e-4)

@@ -15,6 +15,7 @@ from ..core.dist import require_group, current_device, world_size
 from .wrap import wrap
 from ..core.models import find_blocks
 from .pipeline import Pipeline, pipeline_stages
+from .ulysses import ulysses
 
 # %% auto #0
 __all__ = ['COLWISE', 'ROWWISE', 'tp_pairs', 'tp_plan', 'apply_tp', 'Degrees', 'apply_ac', 'apply_dp', 'data_rank', 'parallelize']
@@ -108,7 +109,7 @@ def apply_tp(model:nn.Module, mesh, plan:dict|None=None, sequence_parallel:bool=
     return parallelize_module(model, mesh, plan)
 
 # %% ../../nbs/03g_parallel.tensor.ipynb #c8e2e856
-_DIMS = ('pp', 'dp_replicate', 'dp_shard', 'tp')  # mesh order: tensor parallel innermost (neighbouring, fastest links)
+_DIMS = ('pp', 'dp_replicate', 'dp_shard', 'sp', 'tp')  # mesh order: the most talkative innermost (neighbours)
 _job_world_size = world_size
 
 def _resolve(d, ws:int):
@@ -116,15 +117,16 @@ def _resolve(d, ws:int):
     known = [k for k in _DIMS if getattr(d, k) != -1]
     prod = 1
     for k in known: prod *= getattr(d, k)
-    if len(known) < 4:
+    if len(known) < len(_DIMS):
         free = next(k for k in _DIMS if getattr(d, k) == -1)
         if ws % prod:
             raise ValueError(f"{free}=-1 takes what the other degrees leave, but they need {prod} ranks "
-                             f"({' × '.join(f'{k} {getattr(d, k)}' for k in known)}), which does not divide the "
+                             f"({' × '.join(f'{k} {getattr(d, k)}' for k in known if k != 'sp' or d.sp != 1)}), "
+                             f"which does not divide the "
                              f"world size {ws}")
         return type(d)(**{**asdict(d), free: ws // prod})
     if prod != ws:
-        fix = next((f"{k}={ws * getattr(d, k) // prod}" for k in ('dp_shard', 'dp_replicate', 'tp', 'pp')
+        fix = next((f"{k}={ws * getattr(d, k) // prod}" for k in ('dp_shard', 'dp_replicate', 'tp', 'pp', 'sp')
                     if (ws * getattr(d, k)) % prod == 0), None)
         raise ValueError(f"{d._arith()} = {prod}, but the world size is {ws}: make the product equal {ws}"
                          + (f" (e.g. {fix})" if fix else ''))
@@ -133,11 +135,12 @@ def _resolve(d, ws:int):
 # %% ../../nbs/03g_parallel.tensor.ipynb #4cef8496
 @dataclass
 class Degrees:
-    "How many ways each parallelism splits the job: dp_replicate × dp_shard × tp × pp = world size"
+    "How many ways each parallelism splits the job: dp_replicate × dp_shard × tp × pp × sp = world size"
     dp_replicate:int=1  # data-parallel replicas (DDP; with dp_shard > 1, HSDP replica groups)
     dp_shard:int=1      # data-parallel ranks sharding parameters, gradients and optimizer state (FSDP)
     tp:int=1            # tensor-parallel ranks: each holds a slice of every layer
     pp:int=1            # pipeline ranks: each runs a slice of the layers
+    sp:int=1            # sequence-parallel ranks (Ulysses): each runs every layer on a slice of every sequence
 
     def __post_init__(self):
         for k in _DIMS:
@@ -154,9 +157,11 @@ class Degrees:
     def world_size(self) -> int:
         "Ranks these degrees need"
         if -1 in self.sizes: raise ValueError(f"{self._arith()} has a -1 degree: call .resolve(world_size) first")
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.sp
     @property
-    def sizes(self) -> tuple: return tuple(getattr(self, k) for k in _DIMS)  # in mesh order (`_DIMS`)
+    def dims(self) -> tuple: return _DIMS  # the mesh's dimension names, outermost first
+    @property
+    def sizes(self) -> tuple: return tuple(getattr(self, k) for k in _DIMS)  # in mesh order (`dims`)
     @property
     def dp(self) -> int: return self.dp_replicate * self.dp_shard
     @property
@@ -170,15 +175,23 @@ class Degrees:
     @property
     def pp_enabled(self) -> bool: return self.pp > 1
     @property
+    def sp_enabled(self) -> bool: return self.sp > 1
+    @property
     def enabled(self) -> list: return [k for k in _DIMS if getattr(self, k) > 1]
+    @property
+    def state_splits(self) -> list:
+        "The degrees that split a rank's parameters, gradients and optimizer state (FSDP shards over sp's ranks too)"
+        return [k for k in ('pp', 'tp', 'dp_shard') if getattr(self, k) > 1] + ['sp'] * (self.sp > 1 < self.dp_shard)
 
     def build_mesh(self, device_type:str|None=None):
-        "A DeviceMesh over all ranks, dimensions named pp, dp_replicate, dp_shard, tp (each present, size 1 when off)"
+        "A DeviceMesh over all ranks, dimensions named pp, dp_replicate, dp_shard, sp, tp (each there, size 1 when off)"
         from torch.distributed.device_mesh import init_device_mesh
         d = self.resolve()
         return init_device_mesh(device_type or current_device().type, d.sizes, mesh_dim_names=_DIMS)
 
-    def _arith(self): return ' × '.join(f"{k} {getattr(self, k)}" for k in ('dp_replicate', 'dp_shard', 'tp', 'pp'))
+    def _arith(self, on:bool=False):  # on: only the degrees > 1; sp only when it is not 1 (most layouts leave it off)
+        return ' × '.join(f"{k} {v}" for k in ('dp_replicate', 'dp_shard', 'tp', 'pp', 'sp')
+                          if (v := getattr(self, k)) > 1 or not on and (k != 'sp' or v != 1))
     def _rows(self): return [(k, getattr(self, k), 'on' if getattr(self, k) > 1 else '—') for k in _DIMS]
     def _repr_markdown_(self): return md_table(('parallelism', 'degree', ''), self._rows()) + f"\n\n{self._arith()}"
     def __str__(self): return text_table(('parallelism', 'degree', ''), self._rows()) + f"\n{self._arith()}"
@@ -195,24 +208,33 @@ def apply_ac(model:nn.Module, layer_cls=None) -> nn.Module:
     for b in _blocks(model, layer_cls): checkpoint(b)
     return model
 
+def _with_sp(mesh, dim:str, degrees:Degrees):
+    "(name, 1-D mesh) of `dim`, joined with `sp`'s ranks when sp is on: they hold the same parameters and, each with "\
+    "its slice of the sequences, average their gradients as data-parallel ranks do"
+    if not degrees.sp_enabled: return dim, mesh[dim]
+    name = f"{dim}_sp"
+    return name, mesh[dim, 'sp']._flatten(name)
+
 def apply_dp(model:nn.Module, degrees:Degrees, mesh, device=None, layer_cls=None) -> nn.Module:
-    "Data parallelism over `mesh`'s data dimensions: FSDP2 over dp_shard (HSDP with dp_replicate), else DDP"
+    "Data parallelism over `mesh`'s data dimensions (sp's too): FSDP2 over dp_shard (HSDP with dp_replicate), else DDP"
     if degrees.dp_shard_enabled:
         from torch.distributed.fsdp import fully_shard
-        dp_mesh = mesh['dp_replicate', 'dp_shard'] if degrees.dp_replicate_enabled else mesh['dp_shard']
+        name, shard = _with_sp(mesh, 'dp_shard', degrees)
+        dp_mesh = mesh['dp_replicate', name] if degrees.dp_replicate_enabled else shard
         for b in _blocks(model, layer_cls): fully_shard(b, mesh=dp_mesh)
         return fully_shard(model, mesh=dp_mesh)
-    if not degrees.dp_replicate_enabled: return model
+    _, rep = _with_sp(mesh, 'dp_replicate', degrees)
+    if rep.size() == 1: return model
     if not (degrees.tp_enabled or degrees.pp_enabled):
-        return wrap(model, 'ddp', device=device, process_group=mesh['dp_replicate'].get_group())
+        return wrap(model, 'ddp', device=device, process_group=rep.get_group())
     # DDP of DTensor parameters, and of stages that run several forwards before their backwards: FSDP-based replicate
     from torch.distributed._composable.replicate_with_fsdp import replicate
-    for b in _blocks(model, layer_cls): replicate(b, mesh=mesh['dp_replicate'])
-    return replicate(model, mesh=mesh['dp_replicate'])
+    for b in _blocks(model, layer_cls): replicate(b, mesh=rep)
+    return replicate(model, mesh=rep)
 
 # %% ../../nbs/03g_parallel.tensor.ipynb #3123d793
 def data_rank(mesh) -> tuple[int, int]:
-    "(this rank's data shard, number of shards): ranks that differ only in tp or pp must load the same batches"
+    "(this rank's data shard, number of shards): ranks that differ only in tp, pp or sp must load the same batches"
     r, s = mesh.get_local_rank('dp_replicate'), mesh.get_local_rank('dp_shard')
     return r * mesh['dp_shard'].size() + s, mesh['dp_replicate'].size() * mesh['dp_shard'].size()
 
@@ -228,7 +250,7 @@ def parallelize(model:nn.Module,
                 schedule:str='1f1b', n_microbatches:int|None=None, n_stages:int|None=None,
                 split_points:list|None=None, balance:str='params', example=None, # pipeline options: see `pipeline`
                 device=None):                    # default: this rank's device
-    "Apply what `degrees` turns on to `model`: pipeline split, activation checkpointing, tensor parallel, FSDP or DDP"
+    "Apply what `degrees` turns on to `model`: pipeline split, Ulysses, checkpointing, tensor parallel, FSDP or DDP"
     require_group("parallelize(model, degrees)")
     degrees = degrees.resolve()
     dev = torch.device(device) if device is not None else current_device()
@@ -240,7 +262,13 @@ def parallelize(model:nn.Module,
     if degrees.pp_enabled and loss_fn is None:
         raise ValueError(f"pp={degrees.pp}: a pipeline computes the loss on its last stage and trains with "
                          "step(inputs, targets); pass loss_fn=")
+    if degrees.sp_enabled and degrees.pp_enabled:
+        raise ValueError(f"sp={degrees.sp} splits the sequences of the whole model's inputs and labels, which a "
+                         f"pipeline's stages never see (pp={degrees.pp}): use sp with dp_shard, dp_replicate and tp")
     mesh = mesh if mesh is not None else degrees.build_mesh(dev.type)
+    if degrees.sp_enabled:  # 1. Ulysses: every rank of an sp group loads the same batch, as `data_rank` says
+        ulysses(model, group=mesh['sp'].get_group())
+        model._dtnb_ulysses_data = dict(zip(('rank', 'num_replicas'), data_rank(mesh)))  # for `ulysses_data`
     cls = layer_cls
     if degrees.pp_enabled:  # a stage may hold one block of a stack: the block classes come from the whole model
         if cls is None: cls = tuple({type(model.get_submodule(b)) for b in find_blocks(model)})

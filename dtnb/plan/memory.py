@@ -176,7 +176,7 @@ class MemoryEstimate:
         split = SHARDS.get(self.strategy, ())
         sh = lambda c: f"stage {self.rank} of {ws}" if pipe else f"1/{ws}" if c in split and ws > 1 else 'whole'
         if self.degrees is not None:
-            by = [k for k in ('pp', 'tp', 'dp_shard') if getattr(self.degrees, k) > 1]
+            by = self.degrees.state_splits
             sh = lambda c: f"rank {self.rank}: split by {' × '.join(by)}" if by else 'whole'
         off = lambda c: ', on host' if self.offload and c in split else ''
         act = ('not estimated: give batch= or shape=' if self.activations is None else self.activation_source
@@ -294,8 +294,8 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
                    ) -> MemoryEstimate:
     "Bytes per device for parameters, gradients, optimizer state, activations and temporary buffers"
     if ulysses != 1 and (degrees is not None or str(strategy).lower() in ('pipeline', 'single')):
-        raise ValueError(f"ulysses={ulysses} splits sequences over data-parallel ranks: plan it with 'ddp' or a ZeRO "
-                         f"stage over world_size ranks, not {'degrees=' if degrees is not None else repr(strategy)}")
+        raise ValueError(f"ulysses={ulysses} splits sequences over data-parallel ranks: plan it with 'ddp', a ZeRO "
+                         f"stage or Degrees(sp={ulysses}), not {'degrees=' if degrees is not None else repr(strategy)}")
     if degrees is not None:
         return _estimate_layout(model, degrees, strategy, world_size, optimizer, precision, batch, loss_fn, shape,
                                 activation_checkpointing, offload, activations, units, rank, example, sequence_parallel)
@@ -332,8 +332,8 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
 
 # %% ../../nbs/04a_plan.memory.ipynb #10c03489
 def layout_coords(degrees:Degrees, rank:int) -> dict:
-    "Where `rank` sits on `degrees`' mesh: {'pp': its stage, 'dp_replicate', 'dp_shard', 'tp': its index in each}"
-    names, out = ('pp', 'dp_replicate', 'dp_shard', 'tp'), {}  # the order of Degrees.sizes: tp innermost
+    "Where `rank` sits on `degrees`' mesh: {'pp': its stage, 'dp_replicate', 'dp_shard', 'sp', 'tp': its index in each}"
+    names, out = degrees.dims, {}  # the order of Degrees.sizes: tp innermost
     for k, n in reversed(list(zip(names, degrees.sizes))): out[k] = rank % n; rank //= n
     return {k: out[k] for k in names}
 
@@ -377,7 +377,8 @@ def layout_sizes(model:nn.Module, degrees:Degrees, rank:int=0, example=None, uni
     shapes = [(tps.get(id(p), tuple(p.shape)), p.requires_grad) for p in ps]
     sizes = ModelSizes(shapes, sum(b.numel() * b.element_size() for b in bs),
                        model_sizes(model, units).largest_unit // degrees.tp)
-    ds, s = degrees.dp_shard, c['dp_shard']  # FSDP2: padded chunks of dim 0; the optimizer sees its own rows
+    f = degrees.sp if degrees.dp_shard > 1 else 1  # FSDP2 shards over dp_shard × sp: padded chunks of dim 0, the
+    ds, s = degrees.dp_shard * f, c['dp_shard'] * f + c['sp'] % f  # optimizer sees its own rows
     return sizes, (sum(shard_numel(sh, ds) for sh, _ in shapes), sum(shard_numel(sh, ds) for sh, t in shapes if t),
                    sum(shard_numel(sh, ds, s) for sh, t in shapes if t))
 
@@ -412,7 +413,7 @@ def _layout_states(model, d, rank, example, units, shape):
         return sizes, *elems, sizes.largest_unit
     c = layout_coords(d, rank)
     n = shape.stage_params(d.pp, c['pp'], d.tp) if shape else -(-int(model) // (d.pp * d.tp))
-    n = -(-n // d.dp_shard)
+    n = -(-n // (d.dp_shard * (d.sp if d.dp_shard > 1 else 1)))  # FSDP shards over sp's ranks too
     return None, n, n, n, (-(-int(model) // (shape.layers * d.tp)) if shape else None)
 
 def _estimate_layout(model, degrees, strategy, world_size, optimizer, precision, batch, loss_fn, shape, ac, offload,
@@ -436,8 +437,9 @@ def _estimate_layout(model, degrees, strategy, world_size, optimizer, precision,
     ntensors = sum(t for _, t in sizes.shapes) if sizes and OPTIMIZERS[optimizer] == 2 else 0  # Adam's `step`s
     acts, src = _layout_activations(model, d, layout_coords(d, rank)['pp'], batch, loss_fn, shape, activations,
                                     precision, ac, units, sp)
-    comm = (3 * (unit or 0) * pr.activations if d.dp_shard_enabled else  # FSDP: gathered units
-            g * pr.grads if d.dp_replicate_enabled and not (d.tp_enabled or d.pp_enabled) else 0)  # DDP's buckets
+    acts = acts if acts is None else acts // d.sp  # Ulysses: each rank holds a 1/sp slice of every sequence
+    comm = (3 * (unit or 0) * pr.activations if d.dp_shard_enabled else  # FSDP: gathered units; DDP's buckets:
+            g * pr.grads if (d.dp_replicate_enabled or d.sp_enabled) and not (d.tp_enabled or d.pp_enabled) else 0)
     tmp = comm + (o * pr.optimizer_state if OPTIMIZERS[optimizer] == 2 else 0)
     psi = sum(p.numel() for p in model.parameters()) if sizes else int(model)
     return MemoryEstimate(_layout_name(d), d.world_size, optimizer, precision, psi,
@@ -445,6 +447,4 @@ def _estimate_layout(model, degrees, strategy, world_size, optimizer, precision,
                           o * optimizer_bytes(optimizer, precision) + 4 * ntensors, acts, tmp, 0, ac, False, src,
                           rank, unit, d)
 
-def _layout_name(d):
-    return ' × '.join(f"{k} {getattr(d, k)}" for k in ('dp_replicate', 'dp_shard', 'tp', 'pp') if getattr(d, k) > 1
-                      ) or 'single'
+def _layout_name(d): return d._arith(on=True) or 'single'
