@@ -245,15 +245,20 @@ def test_layouts_measured_equal_estimates():
     assert ppd.measured[0]['parameters'] != ppd.measured[2]['parameters']  # two stages, each halved by dp_shard
 
 
+def _llama(hidden:int, kv_heads:int, vocab:int):
+    "A 2-layer Hugging Face Llama built from a config, seeded: 4 attention heads, `kv_heads` for keys and values"
+    transformers = pytest.importorskip('transformers')
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+        num_key_value_heads=kv_heads, vocab_size=vocab, use_cache=False))
+
+
 @pytest.mark.long  # measured accuracy, every layout on 4 ranks (8 s): bash run.sh test-long
 def test_llama_layouts_measured_equal_estimates():
     "A Hugging Face Llama from a config: TP × FSDP, TP alone and PP × FSDP (traced stages) on 4 ranks: exact states"
-    transformers = pytest.importorskip('transformers')
     from dtnb.parallel.tensor import Degrees
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                   num_key_value_heads=4, vocab_size=256, use_cache=False)
-    m = transformers.LlamaForCausalLM(cfg)
+    m = _llama(hidden=64, kv_heads=4, vocab=256)
     ids = torch.randint(0, 256, (4, 16))  # pp 2: 4 microbatches of one sequence, the first traced by torch
     layouts = [Degrees(dp_shard=2, tp=2), Degrees(tp=4), Degrees(pp=2, dp_shard=2)]
     res = measure_memory(m, (ids, ids), degrees=layouts, timeout=120)  # pp: the causal LM loss, as labels= computes it
@@ -265,16 +270,11 @@ def test_llama_layouts_measured_equal_estimates():
     assert res[2].measured[0]['parameters'] != res[2].measured[2]['parameters']  # two stages, each halved by FSDP
 
 
-
 @pytest.mark.long  # measured accuracy, 3 layouts on 4 ranks (6 s): bash run.sh test-long
 def test_sequence_parallel_layouts_measured_equal_estimates():
     "Ulysses as a degree: FSDP over dp_shard × sp, DDP over dp_replicate × sp, tp × sp: exact states, activations ÷ sp"
-    transformers = pytest.importorskip('transformers')
     from dtnb.parallel.tensor import Degrees
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=128, use_cache=False)
-    m = transformers.LlamaForCausalLM(cfg)
+    m = _llama(hidden=32, kv_heads=2, vocab=128)
     ids = torch.randint(0, 128, (2, 16))
     batch = dict(input_ids=ids, labels=ids)  # every rank of an sp group gets it; ulysses cuts its sequences in two
     layouts = [Degrees(dp_shard=2, sp=2), Degrees(dp_replicate=2, sp=2), Degrees(sp=2, tp=2)]
