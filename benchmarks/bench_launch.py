@@ -3,6 +3,11 @@
 Targets (issue 3): dtnb's fork launch ≤ 0.5× accelerate's notebook_launcher (when installed);
 DDP steps/s through dtnb (wrap + distributed_loader + fit) ≥ 0.98× hand-written torch DDP on the same model and data.
     python benchmarks/bench_launch.py [--repeats 10] [--steps 300]
+
+Start methods (issue 38): a fresh interpreter per method that ran `torch.export` and a backward first (on PyPI's CUDA
+build that makes fork unsafe: `launch` then starts ranks from its fork server), timing the first launch of 2 ranks
+and the median of the later ones. Target: later launches under a second on the CUDA build too.
+    python benchmarks/bench_launch.py --start-methods [--repeats 5]     # with each torch build's python
 """
 import argparse, statistics, time
 import torch, torch.distributed as dist
@@ -75,11 +80,51 @@ def dtnb_ddp(steps, batch):
     return fit(model, dl, opt, progress=False).seconds
 
 
+ONE = """
+import json, sys, time, warnings, torch
+from dtnb.launcher.processes import launch
+import torch.distributed as dist
+def trivial():
+    t = torch.ones(1); dist.all_reduce(t); return t.item()
+if __name__ == '__main__':
+    method, repeats = (None if sys.argv[1] == 'default' else sys.argv[1]), int(sys.argv[2])
+    torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),))
+    torch.nn.Linear(2, 2)(torch.zeros(1, 2)).sum().backward()   # autograd's device threads, on the CUDA build
+    ts, said = [], []
+    try:
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            with warnings.catch_warnings(record=True) as ws:
+                warnings.simplefilter('always'); assert launch(trivial, nprocs=2, device='cpu', start_method=method) == [2.0, 2.0]
+            ts.append(time.perf_counter() - t); said += [str(w.message) for w in ws if 'starts the ranks' in str(w.message)]
+        out = dict(first=ts[0], later=sorted(ts[1:])[len(ts[1:]) // 2], said=said[:1])
+    except Exception as e: out = dict(error=str(e).splitlines()[0])
+    print(json.dumps(out))
+"""
+
+
+def start_methods(repeats):
+    "Each start method in a fresh interpreter after an export and a backward: first launch, median of the later ones"
+    import json, subprocess, sys
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}), python {sys.version.split()[0]}, "
+          f"{usable_cores()} usable cores; 2 CPU ranks, after torch.export + backward in the parent; "
+          f"median of {repeats} later launches")
+    for method in ('fork', 'spawn', 'forkserver', 'default'):
+        r = subprocess.run([sys.executable, '-c', ONE, method, str(repeats)], capture_output=True, text=True, timeout=600)
+        try: out = json.loads(r.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError): out = dict(error=(r.stderr.strip().splitlines() or ['no output'])[-1])
+        if 'error' in out: print(f"  {method:<11} refused or failed: {out['error'][:150]}"); continue
+        why = f"   ({out['said'][0][:70]}...)" if out['said'] else ''
+        print(f"  {method:<11} first {1000 * out['first']:8.0f} ms   later {1000 * out['later']:8.0f} ms{why}")
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument('--start-methods', action='store_true', help='first and later launches per start method, then stop')
     ap.add_argument('--repeats', type=int, default=10); ap.add_argument('--steps', type=int, default=300)
     ap.add_argument('--rounds', type=int, default=3)
     a = ap.parse_args()
+    if a.start_methods: return start_methods(a.repeats)
     print(f"{usable_cores()} usable cores, torch {torch.__version__}; median of {a.repeats} launches of 2 ranks, warm")
     rows = [('torch start_processes(fork) + FileStore (floor)', median_ms(floor, a.repeats)),
             ('dtnb launch, fork', median_ms(lambda: launch(trivial, nprocs=2), a.repeats)),

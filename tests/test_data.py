@@ -3,6 +3,7 @@ ranks. The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_
 import statistics, time
 import psutil, pytest, torch
 import torch.nn as nn
+from conftest import mp_helper
 from torch.utils.data import DataLoader
 from dtnb.data.loaders import SyntheticDataset, SyntheticIterable, SampleError, cores_free, profile_loader
 from dtnb.data.steps import input_bound, RankStepProfiles, StepProfile
@@ -23,10 +24,10 @@ def one_thread():
 
 
 def children():
-    """Child processes left behind (multiprocessing's own resource tracker, which spawn starts once, is not ours);
+    """Child processes left behind (multiprocessing's own resource tracker and fork server, started once, are not ours);
     no gc first:
     workers must be stopped explicitly, not when the garbage collector frees an iterator held by a traceback"""
-    return [c for c in psutil.Process().children(recursive=True) if 'resource_tracker' not in ' '.join(c.cmdline())]
+    return [c for c in psutil.Process().children(recursive=True) if not mp_helper(c)]
 
 
 def side_by_side(ds, bs, best, rounds=3, trial_s=0.8):

@@ -4,8 +4,9 @@ Each case runs in a fresh interpreter, so that what this pytest process ran befo
 The autograd case is the one of the CUDA builds of torch (the `pip install torch` default, also on a machine without
 a GPU): `torch.export` and one `backward()` in the parent start autograd's device threads, and forked ranks then die
 at their first backward. On the CPU build the same parent starts none and `launch` forks; on the CUDA build it must
-spawn, say why, and train the same. CI runs this file on both builds (`.ci/run`). The training function is defined in
-the script's `__main__`, as in a notebook: under spawn it travels by value (cloudpickle).
+start the ranks from its fork server, say why, and train the same. CI runs this file on both builds (`.ci/run`). The
+training function is defined in the script's `__main__`, as in a notebook: under forkserver and spawn it travels by
+value (cloudpickle).
 The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_env`, conftest.py)."""
 import json, subprocess, sys, textwrap
 import pytest
@@ -50,24 +51,29 @@ def test_autograd_threads_after_export_and_backward_launch_still_trains():
         hazards = fork_hazards()
         one = train('single')
         (two, _), says = launch(train, 'ddp', nprocs=2)
+        parents = [launch(os.getppid, nprocs=2)[0] for _ in range(2)]
         try: dtnb.launch(train, 'ddp', nprocs=2, start_method='fork'); forced = 'ran'
         except RuntimeError as e: forced = str(e)
-        print(json.dumps(dict(hazards=hazards, one=one, two=two, says=says, forced=forced,
-                              torch=torch.__version__)))
+        print(json.dumps(dict(hazards=hazards, one=one, two=two, says=says, forced=forced, parents=parents,
+                              me=os.getpid(), torch=torch.__version__)))
     """)
     assert out['two'] == pytest.approx(out['one'], abs=1e-5), out   # DDP on 2 ranks = one process
     autograd = [h for h in out['hazards'] if h.startswith("autograd's device threads run")]
-    if autograd:   # the CUDA builds: spawned, said why in one line, and fork refused with the remedy
+    if autograd:   # the CUDA builds: started from the fork server, said why in one line, and fork refused with the remedy
         # the thread count in the reason grows as the parent trains (6 before `train('single')`, 8 after): not compared
-        assert len(out['says']) == 1 and "spawn, not fork" in out['says'][0], out
+        assert len(out['says']) == 1 and "forkserver, not fork" in out['says'][0], out
         assert "autograd's device threads run (" in out['says'][0], out
-        assert "start_method='spawn'" in out['forced'], out
+        assert "start_method=None" in out['forced'] and "'forkserver'" in out['forced'], out
+        # every rank of every launch is forked by one server (started once, torch imported there), not by this process
+        (a0, a1), (b0, b1) = out['parents']
+        assert a0 == a1 == b0 == b1 != out['me'], out
     else:          # the CPU build: nothing to avoid, so the ranks were forked without a word
         assert out['says'] == [] and out['forced'] == 'ran', out
+        assert all(p == out['me'] for ps in out['parents'] for p in ps), out
 
 
 @pytest.mark.long  # a second fork-safety cause, 20 s: bash run.sh test-long
-def test_a_store_server_thread_makes_launch_spawn_and_say_why():
+def test_a_store_server_thread_makes_launch_use_the_fork_server_and_say_why():
     out = _run("""
         import torch.distributed as dist
         clean = fork_hazards()
@@ -83,11 +89,36 @@ def test_a_store_server_thread_makes_launch_spawn_and_say_why():
         print(json.dumps(dict(clean=clean, hazards=hazards, two=two, one=train('single'), says=says, failed=failed)))
     """.replace('CELL', repr(CELL)))
     assert out['clean'] == [], out   # a fresh interpreter with torch imported: fork is safe
-    assert out['hazards'] and out['says'] and "spawn, not fork" in out['says'][0], out
+    assert out['hazards'] and out['says'] and "forkserver, not fork" in out['says'][0], out
     assert out['two'] == pytest.approx(out['one'], abs=1e-5), out
-    # the cell's function reached the spawned rank with its cached helper, and the rank's traceback shows its line
+    # the cell's function reached the rank with its cached helper, and the rank's traceback shows its line
     assert 'ValueError: bad width 3' in out['failed'], out['failed']
     assert "raise ValueError('bad width %d' % width())  # the cell's own line" in out['failed'], out['failed']
+
+
+SCRIPT = """
+RAN_IN = os.getpid()  # the process that ran this script's top level
+def in_rank():  # did this rank run the script again (as `__main__`)?
+    return getattr(sys.modules['__main__'], 'RAN_IN', None) == os.getpid(), train('ddp')
+"""
+
+
+@pytest.mark.parametrize('method', ['forkserver', 'spawn'])
+@pytest.mark.parametrize('guarded', [False, True])
+def test_a_script_launches_with_or_without_a_main_guard(tmp_path, method, guarded):
+    """A script whose top level calls launch, unguarded, used to run again in every spawned rank, which launched again
+    and died ("rank 1 died with exit code 1"). Its functions travel by value, so the ranks no longer run it; a guarded
+    script still runs again in each rank (as `torch.multiprocessing` does: its top-level settings hold there)."""
+    call = f"res, says = launch(in_rank, nprocs=2, start_method={method!r})\nprint(json.dumps(dict(res=res, one=train('single'))))"
+    body = textwrap.indent(call, '    ') if guarded else call
+    script = tmp_path / 'train.py'
+    script.write_text(HEAD + SCRIPT + ("if __name__ == '__main__':\n" if guarded else '') + body + '\n')
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                       env=cpu_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [ran for ran, _ in out['res']] == [guarded, guarded], out
+    assert all(losses == pytest.approx(out['one'], abs=1e-5) for _, losses in out['res']), out  # DDP = one process
 
 
 CELL = """from dtnb.core.utils import cache
