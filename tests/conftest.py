@@ -63,11 +63,11 @@ def cluster():
     for c in made: c.down()
 
 
-def mp_helper(proc, parent:int|None=None) -> bool:
-    """Is `proc` one of multiprocessing's own long-lived helpers started by `parent` (default: this process): its
-    resource tracker, or its fork server (`launch` starts ranks from one where fork is unsafe)? The ranks a fork server
-    forks carry its command line too, but their parent is the server: they are never helpers."""
+def mp_helper(proc, parents=None) -> bool:
+    """Is `proc` one of multiprocessing's own long-lived helpers started by one of `parents` (pids; default: this
+    process): its resource tracker, or its fork server (`launch` starts ranks from one where fork is unsafe)? The ranks
+    a fork server forks carry its command line too, but their parent is the server: they are never helpers."""
     import psutil
     try: cmd, ppid = ' '.join(proc.cmdline()), proc.ppid()
     except psutil.Error: return True  # gone already
-    return 'resource_tracker' in cmd or ('forkserver' in cmd and ppid == (parent or os.getpid()))
+    return 'resource_tracker' in cmd or ('forkserver' in cmd and ppid in (parents or {os.getpid()}))

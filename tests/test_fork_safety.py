@@ -59,7 +59,7 @@ def test_autograd_threads_after_export_and_backward_launch_still_trains():
     """)
     assert out['two'] == pytest.approx(out['one'], abs=1e-5), out   # DDP on 2 ranks = one process
     autograd = [h for h in out['hazards'] if h.startswith("autograd's device threads run")]
-    if autograd:   # the CUDA builds: started from the fork server, said why in one line, and fork refused with the remedy
+    if autograd:   # the CUDA builds: from the fork server, said why in one line, and fork refused with the remedy
         # the thread count in the reason grows as the parent trains (6 before `train('single')`, 8 after): not compared
         assert len(out['says']) == 1 and "forkserver, not fork" in out['says'][0], out
         assert "autograd's device threads run (" in out['says'][0], out
@@ -109,7 +109,8 @@ def test_a_script_launches_with_or_without_a_main_guard(tmp_path, method, guarde
     """A script whose top level calls launch, unguarded, used to run again in every spawned rank, which launched again
     and died ("rank 1 died with exit code 1"). Its functions travel by value, so the ranks no longer run it; a guarded
     script still runs again in each rank (as `torch.multiprocessing` does: its top-level settings hold there)."""
-    call = f"res, says = launch(in_rank, nprocs=2, start_method={method!r})\nprint(json.dumps(dict(res=res, one=train('single'))))"
+    call = (f"res, says = launch(in_rank, nprocs=2, start_method={method!r})\n"
+            "print(json.dumps(dict(res=res, one=train('single'))))")
     body = textwrap.indent(call, '    ') if guarded else call
     script = tmp_path / 'train.py'
     script.write_text(HEAD + SCRIPT + ("if __name__ == '__main__':\n" if guarded else '') + body + '\n')

@@ -40,6 +40,7 @@ UNPINNED = {
     '02_launcher.hangs': "flight recorder entries and heartbeat records on paper: no device",
     '05d_train.stragglers': "per-rank step splits on paper (fit's ranks: tests/test_hangs.py)",
     '02_launcher.network': "routes, addresses and a store heartbeat in one process: no device",
+    '02_launcher.starts': "how ranks start, decided in this process (the launches: 02a): no device",
     '02b_launcher.torchrun': "builds torchrun commands",
     '02c_launcher.doctor': "one process in its cells (the multi-host runs are tests/test_doctor.py); gloo on CPU",
     '03c_parallel.pipeline_schedules': "pipeline schedules on paper",

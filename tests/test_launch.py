@@ -15,9 +15,10 @@ pytestmark = pytest.mark.usefixtures('cpu_ranks')
 
 
 def ranks_left():
-    "Child processes of this test process, less multiprocessing's own helpers and the test kernel"
-    return [c for c in psutil.Process().children(recursive=True)
-            if not mp_helper(c) and 'ipykernel' not in ' '.join(c.cmdline())]
+    "Child processes of this test process, less the test kernel and multiprocessing's own helpers (its and ours)"
+    kids = psutil.Process().children(recursive=True)
+    kernels = {c.pid for c in kids if 'ipykernel' in ' '.join(c.cmdline())}
+    return [c for c in kids if c.pid not in kernels and not mp_helper(c, kernels | {os.getpid()})]
 
 
 @pytest.fixture(scope='module')
@@ -45,7 +46,7 @@ def run(kc, code, timeout=120):
 
 def kernel_children(km):
     pid = km.provisioner.process.pid
-    return [c for c in psutil.Process(pid).children(recursive=True) if not mp_helper(c, pid)]
+    return [c for c in psutil.Process(pid).children(recursive=True) if not mp_helper(c, {pid})]
 
 
 SETUP = '''
@@ -114,8 +115,9 @@ def test_keyboard_interrupt_stops_every_rank(kernel):
 def test_a_kernel_after_export_and_backward_launches_from_one_fork_server():
     """On PyPI's CUDA build a notebook that ran torch.export and a backward cannot fork ranks (they would die at their
     first backward): every launch then forks its ranks from dtnb's fork server, started once with torch imported
-    (milliseconds a launch, not a spawned rank's seconds of imports: benchmarks/bench_launch.py --start-methods).
-    On the CPU build nothing stops fork, and the kernel forks them itself. A kernel of its own: the state is the point."""
+    (milliseconds a launch, not a spawned rank's seconds of imports: bench_launch.py --start-methods).
+    On the CPU build nothing stops fork, and the kernel forks them itself. A kernel of its own: its state is the point.
+    """
     from jupyter_client.manager import start_new_kernel
     km, kc = start_new_kernel(kernel_name='python3', env=ENV, cwd=str(ROOT))
     try:
@@ -149,8 +151,8 @@ import os, psutil
 def quick(): t = torch.ones(1); dist.all_reduce(t); return t.item()
 t0 = time.monotonic()
 bad = [i for i in range(200) if launch(quick, nprocs=2, timeout=60) != [2.0, 2.0]]
-left = [c for c in psutil.Process().children(recursive=True)  # less multiprocessing's resource tracker and fork server
-        if not ('resource_tracker' in ' '.join(c.cmdline()) or 'forkserver' in ' '.join(c.cmdline()) and c.ppid() == os.getpid())]
+helper = lambda c, cmd: 'resource_tracker' in cmd or ('forkserver' in cmd and c.ppid() == os.getpid())
+left = [c for c in psutil.Process().children(recursive=True) if not helper(c, ' '.join(c.cmdline()))]
 print("DONE", len(bad), len(left), round(time.monotonic() - t0, 1))
 '''
     out, err = run(kc, code, timeout=300)
@@ -233,10 +235,11 @@ def test_version():
 
 WARM = """
 import sys, json
-from dtnb.launcher.processes import launch, _start_method
+from dtnb.launcher.processes import launch
+from dtnb.launcher.starts import choose_start_method
 before = 'torch._dynamo' in sys.modules
 def has_dynamo(): return 'torch._dynamo' in sys.modules
-print(json.dumps([_start_method(None, 1), before, launch(has_dynamo, nprocs=2)]))
+print(json.dumps([choose_start_method(None, 1), before, launch(has_dynamo, nprocs=2)]))
 """
 
 def test_forked_ranks_inherit_torch_dynamo_imported_once():
@@ -255,7 +258,7 @@ def test_launch_in_process_leaves_nothing():
     assert launch(f, nprocs=3) == [3, 3, 3]
     with pytest.raises(LaunchError, match=r"did not finish within timeout=2s"):
         launch(time.sleep, 30, nprocs=2, timeout=2)
-    assert ranks_left() == []
+    left = ranks_left(); assert left == [], [(c.pid, c.ppid(), c.cmdline()[:4]) for c in left]
 
 
 # --- More ranks than accelerators (issue 15, defect 2) ----------------------------------------------------------------
@@ -282,7 +285,7 @@ def test_more_ranks_than_gpus_fails_before_any_rank_starts(gpus):
     gpus(1)
     with pytest.raises(ValueError, match=r"2 ranks on this node but 1 cuda device\b") as e: launch(_where, nprocs=2)
     assert "nprocs=1" in str(e.value) and "backend='gloo', device='cpu'" in str(e.value)
-    assert ranks_left() == []
+    left = ranks_left(); assert left == [], [(c.pid, c.ppid(), c.cmdline()[:4]) for c in left]
 
 
 def test_gloo_with_more_ranks_than_gpus_runs_cpu_ranks(gpus):

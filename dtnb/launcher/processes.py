@@ -12,6 +12,7 @@ from ..core.logs import PerformanceWarning, UsageWarning
 import multiprocessing as mp
 from multiprocessing.connection import wait as _wait
 from ..detection.device import usable_cores, fork_hazards
+from .starts import choose_start_method, fork_server, unguarded_script, main_left_out
 from ..detection.env import parse_launch_env, LaunchEnvError, restart_hazard
 from .failures import LaunchError, report_failure
 from .network import prepare_network, start_peer_watch, stop_peer_watch
@@ -231,59 +232,11 @@ def _stop(procs, sig=signal.SIGKILL):
         if p.pid is not None: p.join(5)
 
 # %% ../../nbs/02a_launcher.processes.ipynb #9a1fc6ae
-def _start_method(start_method, threads):
-    "'fork' where `fork_hazards` finds none, else the fork server, saying why in one line; an explicit choice is checked"
-    import torch
-    hazards = fork_hazards(threads)
-    if start_method is None:
-        if not hazards: return 'fork'
-        method = 'forkserver' if 'forkserver' in mp.get_all_start_methods() else 'spawn'
-        warnings.warn(f"launch starts the ranks with {method}, not fork: {'; '.join(hazards)}", PerformanceWarning,
-                      stacklevel=3)
-        return method
-    if start_method not in mp.get_all_start_methods():
-        raise ValueError(f"start_method={start_method!r} is not available here: "
-                         f"choose one of {mp.get_all_start_methods()}")
-    if start_method == 'fork' and torch.cuda.is_initialized():
-        raise RuntimeError("CUDA is already initialised in this process, so forked ranks cannot use it. Either leave "
-                           "start_method=None or pass 'forkserver' or 'spawn' (your function travels by value), or "
-                           "restart the kernel and call launch() before anything touches CUDA (torch.cuda.* calls, "
-                           ".cuda(), .to('cuda'))")
-    if start_method == 'fork' and any(h.startswith("autograd's") for h in hazards):
-        raise RuntimeError("autograd's device threads run in this process (a backward ran after torch registered a "
-                           "device), so forked ranks would fail at their first backward. Leave start_method=None "
-                           "(ranks then start from a fork server) or pass 'forkserver' or start_method='spawn' "
-                           "(your function travels by value)")
-    return start_method
-
 def _warm_imports(method):
     "Before forking: import here, once, what every rank would import again on its own (spawned ranks start anew)"
     if method != 'fork': return
     with contextlib.suppress(Exception):  # each rank's first optimizer, DDP or FSDP imports it: 1-2 s of CPU each
         import torch._dynamo  # noqa: F401; it starts no thread and leaves CUDA alone
-
-# %% ../../nbs/02a_launcher.processes.ipynb #f382afe6
-# What every rank imports, imported once by the fork server before it forks a rank (none of it starts a thread)
-_PRELOAD = ('torch', 'torch.distributed', 'torch._dynamo', 'cloudpickle', 'dtnb.launcher.processes')
-_PRELOAD_IF_HERE = ('transformers',)  # heavy imports a rank would repeat, when this process has them
-# environment variables that torch, its math libraries or Python read when they are imported
-_IMPORT_ENV = ('LD_', 'PYTHON', 'OMP_', 'MKL_', 'KMP_', 'GOMP_', 'OPENBLAS_', 'TORCH', 'PYTORCH_')
-_server = {}  # the import-time environment of the fork server dtnb started
-
-def _import_env() -> dict: return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_ENV)}
-
-def _fork_server():
-    "The 'forkserver' context, its server (started at the first rank) preloading torch and dtnb"
-    from multiprocessing import forkserver
-    fs = getattr(forkserver, '_forkserver', None)  # multiprocessing's one server per process
-    running = getattr(fs, '_forkserver_pid', None) is not None
-    if running and _server and _server['env'] != _import_env() and hasattr(fs, '_stop'):
-        fs._stop(); running = False  # its imports saw other variables: a new one
-    if not running:  # a server started by someone else is used as it is: its ranks import what they need
-        mods = [m for m in sys.modules if m.startswith('dtnb.') or m in _PRELOAD_IF_HERE]
-        mp.set_forkserver_preload(list(dict.fromkeys([*_PRELOAD, *sorted(mods)])))  # never '__main__'
-        _server['env'] = _import_env()
-    return mp.get_context('forkserver')
 
 # %% ../../nbs/02a_launcher.processes.ipynb #7b714079
 def check_launch_args(fn, nprocs):
@@ -357,43 +310,9 @@ def _by_value(obj) -> bytes:
     buf = io.BytesIO(); Pickler(buf).dump(obj)
     return buf.getvalue()
 
-def _is_main_guard(node) -> bool:
-    "Is the statement `node` an `if __name__ == '__main__':`?"
-    import ast
-    t = getattr(node, 'test', None)
-    side = lambda x: x.id if isinstance(x, ast.Name) else getattr(x, 'value', None)
-    return (isinstance(node, ast.If) and isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq)
-            and {side(t.left), side(t.comparators[0])} == {'__name__', '__main__'})
-
-def _unguarded_script() -> str|None:
-    "The script's path when its top level calls launch outside `if __name__ == '__main__':` (else None)"
-    import ast
-    main = sys.modules.get('__main__')
-    path = getattr(main, '__file__', None)
-    if not path or not os.path.isfile(path): return None  # a notebook, a REPL, `python -c`
-    f = sys._getframe(1)
-    while f is not None and not (f.f_globals is vars(main) and f.f_code.co_name == '<module>'): f = f.f_back
-    if f is None: return None  # called from a thread or a callback: the script's top level is not running it
-    try:
-        with open(path, encoding='utf-8') as src: tree = ast.parse(src.read())
-    except (OSError, SyntaxError, ValueError): return None
-    here = [n for n in tree.body if n.lineno <= f.f_lineno <= (n.end_lineno or n.lineno)]
-    return None if here and _is_main_guard(here[0]) else path
-
-@contextlib.contextmanager
-def _main_left_out(leave_out:bool):
-    "While ranks start: tell spawned ranks not to run the launching script again (it would launch again)"
-    from multiprocessing import spawn
-    prepare = spawn.get_preparation_data
-    def without_main(name):
-        d = prepare(name); d.pop('init_main_from_path', None); d.pop('init_main_from_name', None); return d
-    if leave_out: spawn.get_preparation_data = without_main
-    try: yield
-    finally: spawn.get_preparation_data = prepare
-
 def _start(fn, args, kwargs, nprocs, method, threads, backend, port, env, tmp, pg_timeout):
     "Start the rank processes; returns (processes, {read fd: rank})"
-    ctx = _fork_server() if method == 'forkserver' else mp.get_context(method)
+    ctx = fork_server() if method == 'forkserver' else mp.get_context(method)
     payload = (fn, args, kwargs, {}) if method == 'fork' else _by_value((fn, args, kwargs, _cell_lines()))
     base = dict(WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK='0', DTNB_LAUNCH='1', **(env or {}))
     if port is None: base['DTNB_STORE'] = os.path.join(tmp, 'store')
@@ -405,7 +324,7 @@ def _start(fn, args, kwargs, nprocs, method, threads, backend, port, env, tmp, p
     # a script whose top level calls launch, unguarded, would launch again in every spawned rank: its functions travel
     # by value (as a notebook's do), so the ranks need not run it
     procs, fds = [], {}
-    with _main_left_out(method != 'fork' and _unguarded_script() is not None):
+    with main_left_out(method != 'fork' and unguarded_script() is not None):
         for r in range(nprocs):
             rconn, wconn = ctx.Pipe(duplex=False)  # a Connection travels to spawned children too; we use its raw fd
             p = ctx.Process(target=target, daemon=False, name=f'dtnb-rank-{r}',
@@ -475,7 +394,7 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
     backend, device = _placement(nprocs, backend, device)
     backend = check_backend(backend)
     if device: env = {**(env or {}), 'DTNB_DEVICE': device}
-    method = _start_method(start_method, threads or 1)  # threads=None: forked ranks get 1 while a pool runs
+    method = choose_start_method(start_method, threads or 1)  # threads=None: forked ranks get 1 while a pool runs
     _warm_imports(method)
     if port is not None: check_port(port)
     if (why := cpu_oversubscription(nprocs, threads, usable_cores())):
