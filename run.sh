@@ -90,6 +90,6 @@ case "${1:-}" in
          slurm_deps
          ray_deps
          "$VENV/bin/nbdev-test" --path-re "tutorials/cluster"
-         "$VENV/bin/pytest" tests/ -q -m "cluster or cluster_long or long" ;;
+         "$VENV/bin/pytest" tests/ -q -m "cluster or cluster_long or long" --durations=30 ;;
   *) echo "usage: bash run.sh main|test|test-long|setup" >&2; exit 2 ;;
 esac

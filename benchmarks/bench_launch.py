@@ -116,6 +116,38 @@ def start_methods(repeats):
         if 'error' in out: print(f"  {method:<11} refused or failed: {out['error'][:150]}"); continue
         why = f"   ({out['said'][0][:70]}...)" if out['said'] else ''
         print(f"  {method:<11} first {1000 * out['first']:8.0f} ms   later {1000 * out['later']:8.0f} ms{why}")
+    try: out = in_kernel(repeats)
+    except ImportError as e: return print(f"  in a kernel: {e}")
+    print(f"  {'default, in a Jupyter kernel':<11} first {1000 * out['first']:8.0f} ms   later {1000 * out['later']:8.0f} ms"
+          f"   ({out['method']})")
+
+
+def in_kernel(repeats):
+    "The default start method in a real Jupyter kernel after an export and a backward: first launch, later ones"
+    import json
+    from jupyter_client.manager import start_new_kernel
+    km, kc = start_new_kernel(kernel_name='python3')
+    try:
+        code = ONE.split("if __name__ == '__main__':")[0] + f"""
+from dtnb.launcher.starts import choose_start_method
+torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),))
+torch.nn.Linear(2, 2)(torch.zeros(1, 2)).sum().backward()
+warnings.simplefilter('ignore')
+ts = []
+for _ in range({repeats + 1}):
+    t = time.perf_counter(); assert launch(trivial, nprocs=2, device='cpu') == [2.0, 2.0]; ts.append(time.perf_counter() - t)
+print('RESULT', json.dumps(dict(first=ts[0], later=sorted(ts[1:])[len(ts[1:]) // 2], method=choose_start_method(None))))
+"""
+        msg_id, out = kc.execute(code), []
+        while True:
+            m = kc.get_iopub_msg(timeout=300)
+            if m['parent_header'].get('msg_id') != msg_id: continue
+            if m['msg_type'] == 'stream': out.append(m['content']['text'])
+            if m['msg_type'] == 'error': raise RuntimeError(m['content']['evalue'])
+            if m['msg_type'] == 'status' and m['content']['execution_state'] == 'idle': break
+        return json.loads(''.join(out).split('RESULT')[1])
+    finally:
+        kc.stop_channels(); km.shutdown_kernel(now=True)
 
 
 def main():

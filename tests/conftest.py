@@ -19,6 +19,24 @@ def cpu_env(env=None, *paths) -> dict:
     return {**env, 'DTNB_DEVICE': 'cpu', 'DTNB_STANDIN_GPUS': '1', 'PYTHONPATH': os.pathsep.join(filter(None, path))}
 
 
+# What differs between torch builds (PyPI's CUDA build, the oldest torch declared): how ranks start (fork, the fork
+# server, spawn, threads, a kernel's state), each strategy's numerics against one process (tolerances), the version
+# gates (pipeline schedules, DTensor, DCP, tracing), detection and the GPU-node stand-in. `.ci/run` runs these files
+# on the other builds (`pytest -m builds`, tools/test_torch_build.sh), and the whole suite on the CPU wheel. A file's
+# `long` tests stay with the CPU wheel's test-long unless its value here is True (every test of it is about the build).
+BUILDS = {'test_fork_safety.py': True, 'test_launch.py': False, 'test_hangs.py': False, 'test_device.py': False,
+          'test_api.py': False, 'test_gpu_node.py': False, 'test_strategies.py': False, 'test_fsdp.py': False,
+          'test_pipeline.py': False, 'test_pipeline_hf.py': False, 'test_ulysses.py': False, 'test_memory.py': False,
+          'test_checkpoint.py': False, 'test_debug.py': False}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        long_too = BUILDS.get(item.path.name)
+        if long_too or (long_too is False and not item.get_closest_marker('long')):
+            item.add_marker(pytest.mark.builds)
+
+
 @pytest.fixture
 def cpu_ranks(monkeypatch):
     """dtnb places this test's work on the CPU (`DTNB_DEVICE=cpu`: CPU ranks on gloo, CPU tensors), whatever the

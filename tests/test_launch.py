@@ -143,14 +143,15 @@ print("RESULT", json.dumps(dict(res=res, me=os.getpid(), autograd=autograd)))
 
 
 @pytest.mark.long  # a stress test: bash run.sh test-long
-def test_200_launches_in_one_kernel(kernel):
+@pytest.mark.parametrize('method', [None, 'forkserver'])  # fork here, and the fork server of the CUDA builds
+def test_200_launches_in_one_kernel(kernel, method):
     km, kc = kernel
     run(kc, SETUP)
-    code = '''
+    code = f'''
 import os, psutil
 def quick(): t = torch.ones(1); dist.all_reduce(t); return t.item()
 t0 = time.monotonic()
-bad = [i for i in range(200) if launch(quick, nprocs=2, timeout=60) != [2.0, 2.0]]
+bad = [i for i in range(200) if launch(quick, nprocs=2, timeout=60, start_method={method!r}) != [2.0, 2.0]]
 helper = lambda c, cmd: 'resource_tracker' in cmd or ('forkserver' in cmd and c.ppid() == os.getpid())
 left = [c for c in psutil.Process().children(recursive=True) if not helper(c, ' '.join(c.cmdline()))]
 print("DONE", len(bad), len(left), round(time.monotonic() - t0, 1))

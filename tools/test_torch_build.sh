@@ -5,11 +5,14 @@
 #        python3.10 "torch==2.13"  the oldest torch pyproject.toml declares (torch>=2.13), on the oldest Python
 # torch comes from PyPI as `pip install torch` gives it: PIP_FIND_LINKS and the pip configuration (which point some
 # machines at a local CPU wheel) are left out for that one install.
-# pytest only, not nbdev-test: what differs between torch builds is the state of the process (autograd's device
-# threads after torch.export and a backward, thread pools, CUDA) and the operators a build has; tests/ covers both in
-# one long-lived pytest process that imports every test module (the state that broke `launch` on the CUDA build) and
-# in fresh ones (tests/test_fork_safety.py). The notebooks run the same library code on the CPU wheel in
-# `bash run.sh test`; running them again would add about 3 minutes per build to CI.
+# pytest only, and only what differs between torch builds (marker `builds`, listed in tests/conftest.py's BUILDS):
+# the state of the process (autograd's device threads after torch.export and a backward, thread pools, CUDA), which
+# decides how `launch` starts ranks, and the operators and numerics a build has (each strategy against one process,
+# the version gates, detection). They run in one long-lived pytest process that imports those test modules (the
+# state that broke `launch` on the CUDA build) and in fresh ones (tests/test_fork_safety.py). The whole suite, and
+# the notebooks, run the same library code on the CPU wheel in `bash run.sh test` and `test-long`; running all of it
+# again took about 34 minutes a build on a slower machine of this kind. TESTS_M overrides the selection
+# (e.g. TESTS_M="not cluster and not cluster_long": the whole suite but the namespace hosts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:?python}; SPEC=${2:?torch spec}; VENV=${3:-.venv-$(echo "$PY-$SPEC" | tr -c 'a-zA-Z0-9.\n' '-')}
@@ -26,4 +29,5 @@ env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q -e ".
 "$VENV/bin/python" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__)"
 # The namespace-host tests (markers cluster, cluster_long) are left to `run.sh test-long` on the CPU wheel: their
 # subject is sockets and processes, and they would add 10 minutes per build.
-"$VENV/bin/pytest" tests/ -q -p no:cacheprovider -m "not cluster and not cluster_long"
+"$VENV/bin/pytest" tests/ -q -p no:cacheprovider -m "${TESTS_M:-builds and not cluster and not cluster_long}" \
+  --durations=10
