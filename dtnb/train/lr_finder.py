@@ -15,7 +15,7 @@ from ..core.dist import dist_or_none
 from .batches import cast_batch, forward_loss, micro_step, optimizer_step, fit_precision
 
 # %% auto #0
-__all__ = ['lr_at', 'smooth', 'LRRangeTest', 'find_lr']
+__all__ = ['lr_at', 'smooth', 'steepest_descent', 'LRRangeTest', 'find_lr']
 
 # %% ../../nbs/05g_train.lr_finder.ipynb #ca3bdb9a
 def lr_at(i:int, n:int, start_lr:float, end_lr:float) -> float:
@@ -31,6 +31,22 @@ def smooth(losses, beta:float=0.98) -> list:
     return out
 
 # %% ../../nbs/05g_train.lr_finder.ipynb #0a6cfa65
+def _centred(xs, w:int) -> list:
+    "A running median of 3 (a one-batch spike out), then a centred running mean over 2w+1 points: smooth, no lag"
+    med = [sorted(xs[max(0, i - 1):i + 2])[len(xs[max(0, i - 1):i + 2]) // 2] for i in range(len(xs))]
+    return [sum(med[max(0, i - w):i + w + 1]) / len(med[max(0, i - w):i + w + 1]) for i in range(len(med))]
+
+def steepest_descent(lrs, losses, skip:float=0.1) -> int|None:
+    "Index of the steepest fall of `losses` per decade of `lrs`, past the first `skip` of them and before their lowest"
+    n = len(losses)
+    if n < 8: return None
+    w = max(1, n // 20)
+    s, lo = _centred(losses, w), max(w, int(skip * n))
+    low = min(range(lo, n), key=s.__getitem__)
+    slope = {i: (s[min(i + w, low)] - s[i - w]) / math.log10(lrs[min(i + w, low)] / lrs[i - w]) for i in range(lo, low)}
+    i = min(slope, key=slope.get, default=None)
+    return i if i is not None and slope[i] < 0 else None
+
 @dataclass
 class LRRangeTest:
     "What `find_lr` saw: the rates, the raw and smoothed losses, and the suggested learning rate"
@@ -42,13 +58,22 @@ class LRRangeTest:
     @property
     def min_lr(self) -> float: return self.lrs[min(range(len(self.smoothed)), key=self.smoothed.__getitem__)]
     @property
+    def steepest_lr(self) -> float|None:
+        i = steepest_descent(self.lrs, self.losses)
+        return None if i is None else self.lrs[i]
+    @property
+    def rule(self) -> str:
+        return ('steepest descent' if self.steepest_lr is not None else
+                'lowest smoothed loss / 10: the loss never fell, widen the sweep')
+    @property
     def suggestion(self) -> float:
-        "The rule: the learning rate at the lowest smoothed loss, divided by 10"
-        return self.min_lr / 10
+        "The rule: where the loss falls fastest per decade of lr; the lowest smoothed loss's lr / 10 if it never fell"
+        s = self.steepest_lr
+        return self.min_lr / 10 if s is None else s
 
 # %% ../../nbs/05g_train.lr_finder.ipynb #0861cbbb
 def _lr_rows(r:LRRangeTest):
-    return [('suggestion', f"{r.suggestion:.3g}  (lowest smoothed loss at {r.min_lr:.3g}, / 10)"),
+    return [('suggestion', f"{r.suggestion:.3g}  ({r.rule}; lowest smoothed loss at {r.min_lr:.3g})"),
             ('steps', f"{len(r.lrs)}" + (f" ({r.stopped})" if r.stopped else '')),
             ('swept', f"{r.lrs[0]:.1e} .. {r.lrs[-1]:.1e}")]
 
@@ -63,7 +88,7 @@ def _lr_plot(r:LRRangeTest, ax=None):
     ax.legend(); return ax
 
 LRRangeTest.rows, LRRangeTest.plot = _lr_rows, _lr_plot
-LRRangeTest.to_dict = lambda self: {**asdict(self), 'suggestion': self.suggestion}
+LRRangeTest.to_dict = lambda self: {**asdict(self), 'suggestion': self.suggestion, 'rule': self.rule}
 LRRangeTest._repr_markdown_ = lambda self: md_table(('find_lr', ''), self.rows())
 LRRangeTest.__str__ = lambda self: '\n'.join(f"{k:>10}: {v}" for k, v in self.rows())
 
