@@ -18,7 +18,7 @@ from .throughput import step_flops, default_loss, PRICE_EXAMPLES
 
 # %% auto #0
 __all__ = ['EFFICIENCY', 'EFFICIENCY_SOURCE', 'PRICES', 'step_collectives', 'bus_bytes', 'flops_per_sample', 'Target',
-           'parse_target', 'target_node', 'Prediction', 'predict']
+           'parse_target', 'no_price', 'target_node', 'Prediction', 'predict']
 
 # %% ../../nbs/07c_bench.forecast.ipynb #ed426259
 def step_collectives(strategy:str, # 'single', 'ddp', 'zero1', 'zero2', 'zero3', 'tp' or 'pipeline'
@@ -120,11 +120,15 @@ def _names(k, name):
     try: return device_spec(k).name == name
     except ValueError: return False
 
-def _price(prices, spec):
-    "USD per device-hour of `spec` from `prices` (by table name, or a short name of it), checked"
+def no_price(name:str) -> str:
+    "What a prediction says of a device it has no price for"
+    return (f"no price for {name}: its time is predicted, its cost is unknown; pass "
+            f"prices={{{name!r}: <USD per device-hour>, ...}} (`dtnb plan --predict --prices`) for it")
+
+def _price(prices, spec) -> float|None:
+    "USD per device-hour of `spec` from `prices` (by table name, or a short name of it), checked; None if none"
     p = next((v for k, v in (PRICES['prices'] if prices is None else prices).items() if _names(k, spec.name)), None)
-    if p is None:
-        raise ValueError(f"No price for {spec.name}: pass prices={{{spec.name!r}: <USD per device-hour>, ...}}")
+    if p is None: return None  # the time stands on its own: the cost is unknown, and said so
     if not isinstance(p, (int, float)) or not p > 0:
         raise ValueError(f"The price of {spec.name} must be > 0 USD per device-hour, got {p!r}")
     return float(p)
@@ -161,7 +165,7 @@ def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, los
                      memory=t.spec.memory, optimizer=optimizer, precision=_trains_with(t.dtype), shape=shape,
                      loss_fn=loss_fn or (default_loss if isinstance(batch, (tuple, list)) else None))
     row = dict(target=t.label, devices=t.count, device=t.spec.name, dtype=t.dtype, busbw=t.busbw,
-               usd_hour=_price(prices, t.spec) * t.count, efficiency=eff, plan=plan.label, reason=plan.reason)
+               usd_hour=_usd_hour(prices, t), efficiency=eff, plan=plan.label, reason=plan.reason)
     chosen = _choose(plan, strategy)
     if chosen is None:
         if strategy: row |= dict(plan=strategy, reason=f"{strategy} does not fit in {fmt_bytes(plan.budget)}")
@@ -170,13 +174,19 @@ def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, los
     fps, mb, _ = flops_per_sample(model, batch, e.activation_checkpointing, loss_fn)
     return _finish(row, e, *_step(t, e, fps, mb, shape, eff, microbatches), work)
 
+def _usd_hour(prices, t) -> float|None:
+    "USD per hour of target `t`'s devices, None where there is no price"
+    p = _price(prices, t.spec)
+    return None if p is None else p * t.count
+
 def _finish(row, e, compute, comm, bubble, off, per_step, work):
     "`row` with the step's parts, the steps the run needs, its hours and cost"
     step = compute + comm + bubble + off
     steps = math.ceil(work / per_step)
     hours = steps * step / 3600
     return row | dict(fits=True, memory=e.total, compute_s=compute, comm_s=comm, bubble_s=bubble, offload_s=off,
-                      step_s=step, samples_per_step=per_step, steps=steps, hours=hours, usd=hours * row['usd_hour'])
+                      step_s=step, samples_per_step=per_step, steps=steps, hours=hours,
+                      usd=None if row['usd_hour'] is None else hours * row['usd_hour'])
 
 # %% ../../nbs/07c_bench.forecast.ipynb #2ea0508b
 def target_node(t:Target, efficiency:float=EFFICIENCY) -> Node:
@@ -191,7 +201,7 @@ def _layout_row(t, shape, work, eff, prices, optimizer):
     plan = recommend(shape, world_size=t.count, memory=t.spec.memory, optimizer=optimizer, precision=prec,
                      layouts=True, node=node)
     row = dict(target=t.label, devices=t.count, device=t.spec.name, dtype=t.dtype, busbw=t.busbw,
-               usd_hour=_price(prices, t.spec) * t.count, efficiency=eff, plan=plan.label, reason=plan.reason,
+               usd_hour=_usd_hour(prices, t), efficiency=eff, plan=plan.label, reason=plan.reason,
                degrees=plan.degrees and plan.degrees.to_dict())
     if plan.chosen is None: return row | dict(fits=False)
     e = plan.estimates[plan.chosen]
@@ -208,6 +218,7 @@ def _log_axis(ax, axis):
 
 def _fmt_s(s): return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 def _usd(x): return f"{x:,.0f}" if x >= 100 else f"{x:.2f}"
+def _per_hour(r): return '?' if r['usd_hour'] is None else f"{r['usd_hour']:,.2f}"
 
 @dataclass
 class Prediction:
@@ -218,19 +229,25 @@ class Prediction:
 
     @property
     def fitting(self): return [r for r in self.rows if r['fits']]
-    def by_cost(self) -> list: return sorted(self.fitting, key=lambda r: r['usd'])
+    @property
+    def priced(self): return [r for r in self.fitting if r['usd'] is not None]
+    def by_cost(self) -> list:
+        "Fitting targets by cost, cheapest first; those without a price last, by time"
+        return sorted(self.fitting, key=lambda r: (r['usd'] is None, r['usd'] or 0, r['hours']))
     def by_time(self) -> list: return sorted(self.fitting, key=lambda r: r['hours'])
     def pareto(self) -> list:
-        "Targets that no other target beats on both hours and cost, fastest first"
+        "Priced targets that no other priced target beats on both hours and cost, fastest first"
         front, best = [], math.inf
-        for r in sorted(self.fitting, key=lambda r: (r['hours'], r['usd'])):
+        for r in sorted(self.priced, key=lambda r: (r['hours'], r['usd'])):
             if r['usd'] < best: front.append(r); best = r['usd']
         return front
 
     def headline(self) -> str:
-        c, f = self.by_cost()[0], self.by_time()[0]
-        return (f"{self.work}: cheapest {c['target']} (${_usd(c['usd'])}, {c['hours']:,.1f} h); "
-                f"fastest {f['target']} ({f['hours']:,.1f} h, ${_usd(f['usd'])})")
+        f, cost = self.by_time()[0], lambda r: '$?' if r['usd'] is None else f"${_usd(r['usd'])}"
+        fastest = f"fastest {f['target']} ({f['hours']:,.1f} h, {cost(f)})"
+        if not self.priced: return f"{self.work}: {fastest}; no target has a price, so no cost is known"
+        c = self.by_cost()[0]
+        return f"{self.work}: cheapest {c['target']} ({cost(c)}, {c['hours']:,.1f} h); {fastest}"
 
     _cols = ('by cost', 'by time', 'target', 'strategy', 'memory/device', 'compute', 'comm (+offload)', 'bubble',
              'step', 'hours', 'USD/hour', 'USD', 'Pareto')
@@ -238,10 +255,11 @@ class Prediction:
         front, fast = {id(r) for r in self.pareto()}, {id(r): i + 1 for i, r in enumerate(self.by_time())}
         rows = [(i + 1, fast[id(r)], r['target'], r['plan'], fmt_bytes(r['memory']), _fmt_s(r['compute_s']),
                  _fmt_s(r['comm_s'] + r['offload_s']), _fmt_s(r['bubble_s']), _fmt_s(r['step_s']),
-                 f"{r['hours']:,.1f}", f"{r['usd_hour']:,.2f}", _usd(r['usd']), 'yes' * (id(r) in front))
+                 f"{r['hours']:,.1f}", _per_hour(r), '?' if r['usd'] is None else _usd(r['usd']),
+                 'yes' * (id(r) in front))
                 for i, r in enumerate(self.by_cost())]
         return rows + [('-', '-', r['target'], r['plan'] + ' (does not fit)' * (r['plan'] != 'nothing fits'),
-                        *['-'] * 7, f"{r['usd_hour']:,.2f}", '-', '') for r in self.rows if not r['fits']]
+                        *['-'] * 7, _per_hour(r), '-', '') for r in self.rows if not r['fits']]
     def to_dict(self): return dict(work=self.work, assumptions=self.assumptions, rows=self.rows)
     def __str__(self):
         return '\n'.join([self.headline(), *[f"- {a}" for a in self.assumptions], '',
@@ -254,7 +272,8 @@ class Prediction:
         "Cost against wall time per target, the Pareto front joined"
         import matplotlib.pyplot as plt
         ax = ax or plt.subplots(figsize=(6, 4))[1]
-        rs, front = self.fitting, self.pareto()
+        rs, front = self.priced, self.pareto()  # a target without a price has no place on the cost axis
+        if not rs: raise ValueError("No target has a price, so there is no cost to plot: pass prices=")
         ax.scatter([r['hours'] for r in rs], [r['usd'] for r in rs], color='grey')
         ax.plot([r['hours'] for r in front], [r['usd'] for r in front], 'o-', color='C3', label='Pareto front')
         for r in rs: ax.annotate(r['target'], (r['hours'], r['usd']), fontsize=8, xytext=(4, 4),
@@ -309,5 +328,6 @@ def predict(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
             "communication not overlapped, at the link's datasheet bus bandwidth (nccl-tests busbw, ZeRO volumes)")
     assume = [f"compute at {how} of each format's dense datasheet peak", comm,
               "prices: " + ('given' if prices is not None else f"{PRICES['unit']}, {PRICES['date']}, {PRICES['note']}")]
+    assume += [no_price(n) for n in dict.fromkeys(r['device'] for r in rows if r['usd_hour'] is None)]
     what = f"{tokens:.3g} tokens" if tokens is not None else f"{samples:.3g} samples"
     return Prediction(rows, what, assume)
