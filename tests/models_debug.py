@@ -99,3 +99,27 @@ def pipeline_without_split(model):
     from dtnb.parallel.pipeline import Pipeline, causal_lm_loss, pipeline_stages
     split, mine, mods = pipeline_stages(model, example=tokens()[0][:2])
     return Pipeline(mods, mine, split.n_stages, causal_lm_loss)
+
+
+class ClassicGPT(nn.Module):
+    "Written the classic (nanoGPT) way: fused c_attn, head counts on the module; forward(idx, targets) -> logits, loss"
+    def __init__(self, vocab=32, n_embd=16, n_head=2, block=8):
+        super().__init__()
+        self.n_head, self.n_embd = n_head, n_embd
+        self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(block, n_embd)
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.ln_f, self.lm_head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab)
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, self.n_embd // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        logits = self.lm_head(self.ln_f(x + self.c_proj(y.transpose(1, 2).reshape(B, T, self.n_embd))))
+        if targets is None: return logits, None
+        return logits, nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+TOKENS = torch.randint(32, (8, 9), generator=G)
+def tokens(): return TOKENS[:, :-1].contiguous(), TOKENS[:, 1:].contiguous()

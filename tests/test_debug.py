@@ -171,3 +171,13 @@ def test_dtnb_check_cli(capsys):
     assert 'likely cause: rng' in capsys.readouterr().out
     assert main(['check', '--collectives', 'models_debug:uneven_step', '--timeout', '10']) == 1
     assert 'extra all_reduce on rank 1' in capsys.readouterr().out
+
+
+def test_a_model_that_returns_logits_and_loss_is_checked_through_step_fn():
+    """A nanoGPT-style forward(idx, targets) -> (logits, loss): `step_fn` says how a batch becomes a loss, as in `fit`
+    (it was a TypeError here); DDP and FSDP equal one process. A pipeline refuses step_fn with the reason."""
+    step = lambda m, b: m(*b)[1]
+    r = check_equivalence(md.ClassicGPT, md.tokens(), strategies=('ddp', 'fsdp'), steps=STEPS, step_fn=step)
+    assert r.equal and max(row['loss'] for c in r.checks.values() for row in c.rows) < 1e-5, r
+    with pytest.raises(ValueError, match="computes the loss on the last stage from the model's output: pass loss_fn"):
+        check_equivalence(md.ClassicGPT, md.tokens(), strategies=('pipeline',), step_fn=step)

@@ -16,7 +16,7 @@ from ..launcher.processes import launch
 from ..parallel.ddp import make_optimizer
 from ..parallel.wrap import wrap, STRATEGIES
 from ..parallel.pipeline import Pipeline
-from ..train.batches import forward_loss, count_samples
+from ..train.batches import BatchLoss, count_samples
 from .divergence import Cause, StrategyCheck, EquivalenceReport, tied_causes, rerun_causes
 
 # %% auto #0
@@ -70,9 +70,9 @@ def plan_steps(data, steps:int, nprocs:int) -> list[StepData]:
 def _full(t): return t.full_tensor() if hasattr(t, 'full_tensor') else t
 def _named(pairs): return {n.removeprefix('module.'): _full(t).detach().float().clone() for n, t in pairs}
 
-def _train_step(model, opt, batch, loss_fn, precision):
+def _train_step(model, opt, batch, how:BatchLoss, precision):
     "One step: (loss, full gradients, full parameters after the update, buffers)"
-    with autocast('cpu', precision): loss = forward_loss(model, batch, loss_fn)[0]
+    with autocast('cpu', precision): loss = how(model, batch)[0]
     opt.zero_grad(); loss.backward()
     grads = _named((n, p.grad) for n, p in model.named_parameters() if p.grad is not None)
     opt.step()
@@ -127,7 +127,8 @@ def _aliases(model) -> dict:
 
 def reference_run(model_fn, plan:list[StepData], loss_fn=None, precision=None, optimizer=torch.optim.SGD,
                   lr:float=0.05, seed:int=0,
-                  against:dict|None=None) -> dict: # a first run's `io`: name the modules whose outputs differ from it
+                  against:dict|None=None, # a first run's `io`: name the modules whose outputs differ from it
+                  *, step_fn=None, keys=None) -> dict: # how a batch becomes a loss, as in `fit` (`BatchLoss`)
     "Train `model_fn()` on each step's whole batch in this process: losses, gradients, parameters, buffers, probes"
     torch.manual_seed(seed)
     model = model_fn()
@@ -135,7 +136,7 @@ def reference_run(model_fn, plan:list[StepData], loss_fn=None, precision=None, o
     opt, steps = optimizer(model.parameters(), lr=lr), []
     for i, st in enumerate(plan):
         with ForwardProbe(model) if i == 0 else contextlib.nullcontext() as probe:
-            steps.append(_train_step(model, opt, st.batch, loss_fn, precision))
+            steps.append(_train_step(model, opt, st.batch, BatchLoss(loss_fn, step_fn, keys), precision))
         if i == 0: found = dict(random=probe.random, stats=probe.stats, io=probe.io,
                                 unstable=probe.unstable(against or {}))
     return dict(start=start, steps=steps, order=[n for n, _ in model.named_parameters()], aliases=_aliases(model),
@@ -170,7 +171,7 @@ def _compare_step(step, got, ref, order, tol):
     return row
 
 # %% ../../nbs/09_debug.equivalence.ipynb #56b6fcf8
-def _rank_check(model, plan, ref, loss_fn, precision, optimizer, lr, tol):
+def _rank_check(model, plan, ref, how, precision, optimizer, lr, tol):
     "On every rank: train the wrapped `model` step by step; rank 0 returns the table rows and the start-of-run gaps"
     import hashlib
     r, _ = rank_world()
@@ -182,13 +183,13 @@ def _rank_check(model, plan, ref, loss_fn, precision, optimizer, lr, tol):
                               for o in start_bufs), default=(0., None)), same_rng=len(set(rng)) == 1)
     rows = []
     for i, st in enumerate(plan):
-        loss, g, p, b = _train_step(model, opt, st.shares[r], loss_fn, precision)
+        loss, g, p, b = _train_step(model, opt, st.shares[r], how, precision)
         got = (all_gather_objects((loss, count_samples(st.shares[r]))), g, p, all_gather_objects(b))
         if r == 0: rows.append(_compare_step(i + 1, got, ref['steps'][i], ref['order'], tol))
     del model, opt
     return (rows, start) if r == 0 else None
 
-def _build(model_fn, strategy, plan, loss_fn):
+def _build(model_fn, strategy, plan, how):
     "`wrap(model_fn(), strategy)`; for 'pipeline' one stage per rank, traced on a microbatch; or `strategy(model_fn())`"
     if callable(strategy): return strategy(model_fn())
     if strategy != 'pipeline':
@@ -196,16 +197,17 @@ def _build(model_fn, strategy, plan, loss_fn):
             warnings.simplefilter('ignore'); return wrap(model_fn(), strategy, device='cpu')
     x = plan[0].batch['input_ids'] if isinstance(plan[0].batch, Mapping) else plan[0].batch[0]
     mb = max(1, count_samples(x) // (2 * rank_world()[1]))  # Pipeline's default: 2 microbatches per rank
-    return wrap(model_fn(), 'pipeline', loss_fn=loss_fn, example=tree_map_tensors(lambda t: t[:mb], x), device='cpu')
+    example = tree_map_tensors(lambda t: t[:mb], x)
+    return wrap(model_fn(), 'pipeline', loss_fn=how.loss_fn, example=example, device='cpu')
 
-def _on_ranks(model_fn, plan, ref, strategies, loss_fn, precision, optimizer, lr, seed, tol):
+def _on_ranks(model_fn, plan, ref, strategies, how, precision, optimizer, lr, seed, tol):
     "Every strategy in one launch, each from the model built afresh with the same seed"
     out = {}
     for s in strategies:
         torch.manual_seed(seed)
-        model = _build(model_fn, s, plan, loss_fn)
+        model = _build(model_fn, s, plan, how)
         check = _pipeline_check if isinstance(model, Pipeline) else _rank_check
-        out[_strategy_name(s)] = check(model, plan, ref, loss_fn, precision, optimizer, lr, tol)
+        out[_strategy_name(s)] = check(model, plan, ref, how, precision, optimizer, lr, tol)
     return out
 
 def _strategy_name(s) -> str: return s if isinstance(s, str) else getattr(s, '__name__', repr(s))
@@ -316,12 +318,15 @@ def _repeat_causes(ref, again, tol) -> list[Cause]:
 # %% ../../nbs/09_debug.equivalence.ipynb #b839e42c
 DATA_PARALLEL = ('ddp', 'zero1', 'zero2', 'zero3', 'fsdp')  # the strategies check_equivalence compares, and 'pipeline'
 
-def _check_args(strategies, nprocs, steps, precision, loss_fn):
+def _check_args(strategies, nprocs, steps, precision, loss_fn, step_fn=None):
     strategies = [strategies] if isinstance(strategies, str) else list(strategies)
     if bad := [s for s in strategies if not callable(s) and s not in DATA_PARALLEL + ('pipeline',)]:
         raise ValueError(f"check_equivalence compares data-parallel strategies ({', '.join(DATA_PARALLEL)}), "
                          f"'pipeline', or your own function (model -> the model to train) with one process; {bad[0]!r} "
                          "is not one" + (" of them" if bad[0] in STRATEGIES else " of wrap's strategies"))
+    if 'pipeline' in strategies and step_fn is not None:
+        raise ValueError("strategies=['pipeline'] computes the loss on the last stage from the model's output: pass "
+                         "loss_fn(output, targets), not step_fn (a pipeline has no whole model to call on a batch)")
     if 'pipeline' in strategies and not callable(loss_fn):
         raise ValueError("strategies=['pipeline'] computes the loss on the last stage: pass loss_fn(output, targets) "
                          "(e.g. causal_lm_loss for a Hugging Face causal LM, with batches of (input_ids, labels))")
@@ -345,18 +350,22 @@ def check_equivalence(model_fn,             # builds the model (called once per 
                       precision:str|None=None, # 'fp32' (default), 'bf16-mixed', 'fp16-mixed'
                       optimizer=torch.optim.SGD, lr:float=0.05, seed:int=0,
                       tol:float|None=None,  # relative to each tensor's scale; default 1e-5 (fp32), 1e-2 (autocast)
-                      timeout:float=300) -> EquivalenceReport:
+                      timeout:float=300,
+                      *, step_fn=None, keys=None, # how a batch becomes a loss, as in `fit`: step_fn(model, batch)
+                     ) -> EquivalenceReport:
     "Train `model_fn()` step by step under each strategy on CPU ranks and in one process; where and why they differ"
-    strategies, precision = _check_args(strategies, nprocs, steps, precision, loss_fn)
+    strategies, precision = _check_args(strategies, nprocs, steps, precision, loss_fn, step_fn)
+    how = BatchLoss(loss_fn, step_fn, keys)
     tol = (1e-5 if precision == 'fp32' else 1e-2) if tol is None else tol
     if len(names := list(map(_strategy_name, strategies))) > len(set(names)): raise ValueError(f"strategies {names}: "
         "each needs its own name (a function's __name__)")
     plan = plan_steps(data, steps, nprocs)
     if any(not idx for st in plan for idx in st.share_indices):
         raise ValueError(f"a step's batch has fewer samples than nprocs={nprocs}: every rank needs one at least")
-    ref = reference_run(model_fn, plan, loss_fn, precision, optimizer, lr, seed)
-    again = reference_run(model_fn, plan, loss_fn, precision, optimizer, lr, seed, against=ref['io'])
-    got = launch(_on_ranks, model_fn, plan, ref, strategies, loss_fn, precision, optimizer, lr, seed, tol,
+    ref = reference_run(model_fn, plan, loss_fn, precision, optimizer, lr, seed, step_fn=step_fn, keys=keys)
+    again = reference_run(model_fn, plan, loss_fn, precision, optimizer, lr, seed, against=ref['io'], step_fn=step_fn,
+                          keys=keys)
+    got = launch(_on_ranks, model_fn, plan, ref, strategies, how, precision, optimizer, lr, seed, tol,
                  nprocs=nprocs, device='cpu', timeout=timeout)[0]
     checks = {}
     for s, (rows, start) in got.items():

@@ -7,6 +7,7 @@ Docs: https://dtnb-dev.github.io/dtnb/train.batches.html.md"""
 # %% ../../nbs/05_train.batches.ipynb #e7838722
 from __future__ import annotations
 import inspect, warnings, contextlib
+from dataclasses import dataclass
 from ..core.logs import EquivalenceWarning, PerformanceWarning
 from collections.abc import Mapping
 import torch
@@ -16,9 +17,9 @@ from ..core.utils import to_device, tree_map_tensors, tensors, autocast, cast_in
 from ..parallel.pipeline_split import output_logits  # a Hugging Face output's .logits
 
 # %% auto #0
-__all__ = ['cast_batch', 'forward_loss', 'count_samples', 'fit_precision', 'gradient_sync', 'micro_step', 'ShardNorm',
-           'grad_norm', 'optimizer_step', 'as_metrics', 'pipeline_args', 'check_pipeline_validation', 'evaluate',
-           'check_loader', 'check_fp16']
+__all__ = ['cast_batch', 'forward_loss', 'BatchLoss', 'count_samples', 'fit_precision', 'gradient_sync', 'micro_step',
+           'ShardNorm', 'grad_norm', 'optimizer_step', 'as_metrics', 'pipeline_args', 'check_pipeline_validation',
+           'evaluate', 'check_loader', 'check_fp16']
 
 # %% ../../nbs/05_train.batches.ipynb #f10a5c99
 _REGRESSION = (nn.functional.mse_loss, nn.functional.l1_loss, nn.functional.smooth_l1_loss, nn.functional.huber_loss)
@@ -85,6 +86,14 @@ def forward_loss(model, batch, loss_fn=None, step_fn=None, keys=None):
     (args, kwargs), y = _split(model, batch, keys)
     out = model(*args, **kwargs)
     return _loss(out, y, loss_fn, batch), output_logits(out), y
+
+@dataclass(frozen=True)
+class BatchLoss:
+    "How a batch becomes a loss, said once: `loss_fn(predictions, targets)` or `step_fn(model, batch)`, and `keys`"
+    loss_fn: object = None  # loss_fn(predictions, targets); default: the model's .loss, else mse_loss where it fits
+    step_fn: object = None  # step_fn(model, batch) -> the loss, or (loss, predictions, targets); then loss_fn is unused
+    keys: tuple|None = None # (input key, target key) of a dict batch
+    def __call__(self, model, batch): return forward_loss(model, batch, self.loss_fn, self.step_fn, self.keys)
 
 def count_samples(batch) -> int:
     "Samples in a batch: the first dimension of its first tensor"
