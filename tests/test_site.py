@@ -5,7 +5,7 @@ Screenshots of the home page and one tutorial are kept in artifacts/. `bash run.
 notebook run that just happened (`nbdev-test --save`, `tools/docs.py build --no-exec`, outputs stripped again); this
 module builds it (`python tools/docs.py build`, executing every notebook) only when _docs/ is missing or was built
 from other notebook sources (DTNB_DOCS_EXEC=0 renders the outputs saved in the notebooks instead)."""
-import functools, http.server, os, shutil, socketserver, subprocess, sys, threading
+import functools, http.server, json, os, re, shutil, socketserver, subprocess, sys, threading
 from pathlib import Path
 from urllib.parse import urljoin, urlparse
 import pytest
@@ -69,6 +69,44 @@ class Tab:
         return self.page, self.errors, self.failed
 
 
+# A page's prose: its main text less code, outputs and scripts, where no Markdown should be left
+PROSE = """(() => { const m = document.querySelector('main').cloneNode(true);
+  m.querySelectorAll('pre, code, .output_area, script, style').forEach(e => e.remove());
+  return m.innerText; })()"""
+
+
+def unrendered(text) -> list:
+    "Markdown left as text in rendered prose: `**`, a `*word*` emphasis (e.g. in a page's description line)"
+    return (re.findall(r'.{0,30}\*\*.{0,30}', text)
+            + re.findall(r'.{0,20}(?<![\w*\\])\*[A-Za-z][^*\n]{0,40}[A-Za-z]\*(?![\w*]).{0,20}', text))
+
+
+def money_as_math(markdown) -> list:
+    """Prices that open math: an unescaped `$` before a digit up to the next `$`, holding words and no TeX (Quarto,
+    pandoc and Jupyter read `$1,750 on V100s and $250` as math, and `**` around it is then shown as typed)"""
+    text = re.sub(r'`[^`]*`', '', markdown)
+    spans = re.finditer(r'(?<![\\$])\$(\d[^$\n]*?)(?<!\\)\$', text)
+    tex, words = r'[\\^_{}]', r'[A-Za-z]{3,}'
+    return [m.group(0) for m in spans if not re.search(tex, m.group(1)) and re.search(words, m.group(1))]
+
+
+def test_the_checks_for_unrendered_markdown_find_what_they_should():
+    assert unrendered("cost **$1,750 on V100s** and") and unrendered("cheapest for *this* model")
+    assert not unrendered("a 2 * 3 grid, fit(*args) and 2 * x")
+    assert money_as_math("cost **$1,750 over 72 hours on 4 V100s** and **$250 over 8 hours**")
+    assert not money_as_math(r"cost **\$1,750 over 72 hours** and **\$250**; $3.23 \cdot 10^{23}$ and $4 + 4 + 8$")
+
+
+def test_money_is_never_math_in_the_notebooks():
+    found = []
+    for nb in sorted((ROOT / 'nbs').rglob('*.ipynb')):
+        for c in json.loads(nb.read_text())['cells']:
+            if c['cell_type'] == 'markdown':
+                found += [f"{nb.relative_to(ROOT)}: {m} (write \\$ for money)"
+                          for m in money_as_math(''.join(c['source']))]
+    assert found == [], '\n'.join(found)
+
+
 def visit(browser, url):
     "Load `url` in a new tab; return (page, console errors, failed requests)"
     return Tab(browser).load(url)
@@ -87,6 +125,7 @@ def test_every_page_loads_cleanly_and_is_reachable(site, browser):
         broken = page.evaluate("[...document.images].filter(i => !(i.complete && i.naturalWidth > 0))"
                                ".map(i => i.src.slice(0, 80))")
         problems += [f"{rel}: image did not load: {b}" for b in broken]
+        problems += [f"{rel}: Markdown left in the text: {m!r}" for m in unrendered(page.evaluate(PROSE))]
         for href in page.evaluate("[...document.querySelectorAll('a[href]')].map(a => a.href)"):
             u = urlparse(href)
             if not href.startswith(site): continue  # external: GitHub, published site
