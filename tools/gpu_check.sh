@@ -13,6 +13,8 @@
 # OUT_DIR (default $OUT, else gpu-check-<date>/) receives gpu-check.tar.gz (every log and result) and summary.json
 # (each step: its slice, seconds, exit code, 'timeout' or 'skipped'). The steps, most valuable first:
 #   1. install (offline, from the wheelhouse), env (`dtnb env --json`), nvidia_smi
+#      launch      detect() leaves CUDA alone and the next launch forks; after an export and a backward, launches start
+#                  from the fork server, timed (tools/gpu_launch_check.py)
 #   2. gpu_bench   benchmarks/gpu_bench.py --quick, every section, anchors held (DTNB_BENCH_STRICT=1)
 #   3. report      dtnb report --quick (every section)
 #   4. cuda_cells  only the `#| cuda` notebook cells and what they need (tools/cuda_cells.py; the CPU cells are CI's)
@@ -43,9 +45,9 @@ WHEELS=${WHEELHOUSE:-.whl}
 # The steps in order of value, with their share of the budget in percent (the shares add up to more than 100: most
 # steps end well inside their slice, and none gets more than what is left). Sized on the first GPU run (one H200,
 # 480 s): install 17 s, env 9, gpu_bench 46, report 79, cuda_cells 111 (more now: 07's rounds), cuda_tests 16, train 14.
-STEPS="install:12 env:6 nvidia_smi:3 gpu_bench:30 report:25 cuda_cells:40 cuda_tests:10 train:12"
+STEPS="install:12 env:6 nvidia_smi:3 launch:6 gpu_bench:30 report:25 cuda_cells:40 cuda_tests:10 train:12"
 # The dry run's CPU forms cost otherwise: no GPU benchmark to speak of, the cells' slices and the imports dominate.
-STEPS_DRY="install:5 env:10 nvidia_smi:3 gpu_bench:20 report:25 cuda_cells:35 cuda_tests:5 train:20"
+STEPS_DRY="install:5 env:10 nvidia_smi:3 launch:8 gpu_bench:20 report:25 cuda_cells:35 cuda_tests:5 train:20"
 
 requirements() {  # from pyproject.toml: build requirements, dependencies and the nvml/safetensors/dev extras
   "$PY" - <<'EOF'
@@ -215,6 +217,7 @@ else
 fi
 step env bash -c env_json
 step nvidia_smi bash -c smi
+step launch "$PY" tools/gpu_launch_check.py --out "$RES/launch.json" $( [ $DRY = 1 ] && echo --device cpu )
 if [ $DRY = 1 ]; then
   step gpu_bench "$PY" benchmarks/gpu_bench.py --device cpu --quick --out "$RES/benchmarks"
 else
