@@ -16,8 +16,8 @@ __all__ = ['choose_start_method', 'fork_server', 'is_main_guard', 'unguarded_scr
 
 # %% ../../nbs/02_launcher.starts.ipynb #23d9a008
 def choose_start_method(requested:str|None, # 'fork', 'spawn', 'forkserver', or None: fork where safe
-                 threads:int=1,       # torch threads each rank will run (a thread pool here matters above 1)
-                ) -> str:
+                        threads:int=1,       # torch threads each rank will run (a thread pool matters above 1)
+                       ) -> str:
     "How `launch` starts ranks: `requested`, checked, or 'fork' where `fork_hazards` finds none, else the fork server"
     import torch
     hazards = fork_hazards(threads)
