@@ -1,103 +1,96 @@
-"""The layout planner's step time model (`step_parts`) beside measured steps here. Prints figures; not a test.
+"""The step-time model checked where it runs: `dtnb.bench.validate` on this machine's CPU ranks, over loopback and
+over links between network-namespace hosts limited with tc tbf, for two model sizes. Prints the tables and writes
+them (JSON and Markdown) to --out. Not a test: the figures are this machine's.
 
-The model's inputs are measured here first: a device's achieved FLOP/s (one rank's step of the model in one process,
-divided into 6 x parameters x tokens) and the gloo all-reduce bus bandwidth between the ranks (a gradient-sized
-tensor). With that `Node`, each layout's predicted seconds per step are printed beside the measured median of real
-steps of `parallelize(TinyTransformer, degrees)` on 2 CPU ranks (one thread each), the micro-batch per rank as the
-model counts it (`shape.batch` sequences per device, so a tp or pp group runs `batch x tp x pp` sequences).
-The compute part is calibrated on the one-process step, so the ratio measured/predicted shows what the model misses
-in each dimension's communication and overheads (latency of small collectives, DTensor dispatch, contention when the
-ranks share cores). Seen in two runs on a 2-core machine shared with other jobs, torch 2.13 CPU, the defaults: one
-process 222-246 ms a step (41-46 GFLOP/s), all-reduce busbw 0.55-0.65 GB/s; measured/predicted dp_replicate 2:
-1.40-1.41, dp_shard 2: 1.69-1.72, tp 2: 1.53-2.42, pp 2: 0.84-1.01. The model leaves out per-collective latency
-and FSDP's/DTensor's CPU overheads, which dominate at this size; it is meant for GPU-sized layers.
-The "+latency" columns add `Node.latency`, the median 4-byte gloo all-reduce measured here, times `step_collectives`:
-in one run here (2 cores under a load average of 8-10 from other jobs) it was 0.27 ms, which moved the ratios only
-from 2.44/4.11/4.74/2.04 to 2.43/4.04/4.65/2.02: the per-collective cost these CPU layouts pay is not a tiny
-message's latency but the CPU work around each collective (FSDP's copies, DTensor dispatch, ranks sharing cores).
-    python benchmarks/bench_step_model.py [--hidden 256] [--layers 4] [--seq 128] [--batch 4] [--steps 8]
+    .venv/bin/python benchmarks/bench_step_model.py --out benchmarks/results/DATE-cpu-validation
+    sudo .venv/bin/python benchmarks/bench_step_model.py --links --out ...     # also 1 Gbit/s and 100 Mbit/s links
+
+Each layout's step is predicted from parts measured apart (its compute stepped by plain modules in every rank at
+once, its parameters' communication by the wrapped model at one token, its activation collectives one by one after
+their compute, DTensor's dispatch on a one-rank mesh, the 1F1B bubble from each stage's time), then run for real.
+Over a link, rank 0 runs on host 1 and rank 1 on host 2 (tools/cluster.sh's namespaces, tests/cluster.py); the
+one-process samples run here, as they need no network. Latency cannot be shaped here (no netem): links differ in rate.
 """
-import argparse, dataclasses, statistics, time, warnings
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-import torch.distributed.fsdp, torch.distributed.tensor.parallel, torch.distributed.pipelining  # once, before forking
-from dtnb.launcher.processes import launch
-from dtnb.core.models import TinyTransformer
-from dtnb.parallel.tensor import Degrees, parallelize
-from dtnb.plan.memory import TransformerShape
-from dtnb.plan.recommend import Node, step_parts
+import argparse, json, os, subprocess, sys, time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / 'tests'))
+PORT = 29720
+SIZES = {'small': dict(layers=4, hidden=128, heads=2, seq_len=128, batch=4),
+         'base': dict(layers=4, hidden=256, heads=4, seq_len=128, batch=4)}
+LINKS = (('namespace link', None), ('link at 1 Gbit/s', '1gbit'), ('link at 100 Mbit/s', '100mbit'))
 
 
-def model(a): return TinyTransformer(d_in=a.hidden, d=a.hidden, n_heads=a.heads, depth=a.layers, d_out=a.hidden)
+def worker(a):
+    "One rank on a namespace host: the rank's samples and real steps of every layout; prints them as JSON"
+    import warnings; warnings.filterwarnings('ignore')
+    import dtnb
+    from dtnb.bench.validate import validate_rank
+    from dtnb.plan.memory import TransformerShape
+    job = json.loads(Path(a.job).read_text())
+    dtnb.init_distributed()
+    out = validate_rank(TransformerShape(**job['shape']), job['names'], job['one'], job['steps'], job['reps'])
+    print('RESULT ' + json.dumps(out), flush=True)
+    dtnb.shutdown()
 
 
-def steps(a, degrees=None):
-    "Median seconds of a training step (after 2 warm-up steps), on this rank or in this process"
-    torch.set_num_threads(1); warnings.filterwarnings('ignore')
-    m, d = model(a), degrees and Degrees(**degrees)
-    if d: m = parallelize(m, d, F.mse_loss)
-    n = a.batch * ((d.tp * d.pp) if d else 1)  # sequences this rank's data-parallel group runs
-    x, y = torch.randn(n, a.seq, a.hidden), torch.randn(n, a.seq, a.hidden)
-    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-    ts = []
-    for i in range(a.steps + 2):
-        t = time.perf_counter()
-        if d and d.pp_enabled: m.step(x, y)
-        else: F.mse_loss(m(x), y).backward()
-        opt.step(); opt.zero_grad()
-        if d: dist.barrier()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts[2:])
-
-
-def allreduce_busbw(nbytes, reps=5):
-    torch.set_num_threads(1)
-    t = torch.zeros(nbytes // 4)
-    dist.all_reduce(t); dist.barrier()
-    s = time.perf_counter()
-    for _ in range(reps): dist.all_reduce(t)
-    sec = (time.perf_counter() - s) / reps
-    n = dist.get_world_size()
-    return 2 * (n - 1) / n * nbytes / sec
-
-
-def allreduce_latency(reps=50):
-    "Median seconds of a 4-byte all-reduce: the fixed cost of one collective here"
-    torch.set_num_threads(1)
-    t, ts = torch.zeros(1), []
-    dist.all_reduce(t); dist.barrier()
-    for _ in range(reps):
-        s = time.perf_counter(); dist.all_reduce(t); ts.append(time.perf_counter() - s)
-    return statistics.median(ts)
+def over_link(c, rate, shape, names, one, steps, reps, tmp):
+    "Rows of the 2-rank layouts `names`, rank i on host i + 1, both ends of each cable limited to `rate`"
+    from dataclasses import asdict
+    for h in c.hosts: c.shape(h, rate)
+    job = Path(tmp) / 'job.json'
+    job.write_text(json.dumps(dict(shape=asdict(shape), names=names, one=one, steps=steps, reps=reps)))
+    env = {k: v for k, v in os.environ.items() if not k.endswith('SOCKET_IFNAME')}
+    procs = [c.run(h, [sys.executable, __file__, '--worker', '--job', str(job)], cwd=ROOT, text=True,
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                   env=dict(env, RANK=str(r), WORLD_SIZE='2', LOCAL_RANK='0', LOCAL_WORLD_SIZE='1',
+                            MASTER_ADDR=c.addr(c.hosts[0]), MASTER_PORT=str(PORT), DTNB_DEVICE='cpu',
+                            OMP_NUM_THREADS='1'))
+             for r, h in enumerate(c.hosts)]
+    outs = [p.communicate(timeout=3600) for p in procs]
+    res = [next((json.loads(l[7:]) for l in o.splitlines() if l.startswith('RESULT ')), None) for o, _ in outs]
+    if None in res: raise RuntimeError('a rank gave no result:\n' + '\n'.join(e[-3000:] for _, e in outs))
+    return res
 
 
 def main():
-    p = argparse.ArgumentParser()
-    for k, v in dict(hidden=256, heads=4, layers=4, seq=128, batch=4, steps=8).items():
-        p.add_argument(f'--{k}', type=int, default=v)
-    a = p.parse_args()
-    shape = TransformerShape(layers=a.layers, hidden=a.hidden, heads=a.heads, seq_len=a.seq, batch=a.batch)
-    params = sum(q.numel() for q in model(a).parameters())
-    one = steps(a)
-    flops = 6 * params * a.seq * a.batch / one
-    bw = launch(allreduce_busbw, params * 4, nprocs=2, threads=1)[0]
-    lat = max(launch(allreduce_latency, nprocs=2, threads=1))
-    node = Node(devices=2, flops=flops, intra=bw, inter=bw)
-    timed = dataclasses.replace(node, latency=lat)
-    print(f"{params:,} parameters (the shape counts {shape.params():,}); one process, 1 thread: {one * 1e3:.1f} ms "
-          f"a step = {flops / 1e9:.1f} GFLOP/s achieved; gloo all-reduce busbw {bw / 1e9:.2f} GB/s on 2 ranks, "
-          f"a 4-byte all-reduce {lat * 1e3:.2f} ms (the latency)")
-    print(f"{'layout':28} {'predicted ms':>12} {'+latency':>9} {'measured ms':>12} {'ratio':>6} {'+latency':>8}   "
-          "predicted parts with latency (ms)")
-    for d in (Degrees(dp_replicate=2), Degrees(dp_shard=2), Degrees(tp=2), Degrees(pp=2)):
-        pred, parts = sum(step_parts(shape, d, 'fp32', node).values()), step_parts(shape, d, 'fp32', timed)
-        pred_l = sum(parts.values())
-        meas = max(launch(steps, a, dataclasses.asdict(d), nprocs=2, threads=1))
-        detail = ', '.join(f"{k} {v * 1e3:.1f}" for k, v in parts.items() if v)
-        name = ' × '.join(f"{k} {getattr(d, k)}" for k in d.enabled)
-        print(f"{name:28} {pred * 1e3:12.1f} {pred_l * 1e3:9.1f} {meas * 1e3:12.1f} {meas / pred:6.2f} "
-              f"{meas / pred_l:8.2f}   {detail}")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument('--worker', action='store_true'); ap.add_argument('--job')
+    ap.add_argument('--sizes', default='small,base'); ap.add_argument('--ranks', default='1,2,4')
+    ap.add_argument('--links', action='store_true', help="also across namespace hosts (root): 1 Gbit/s, 100 Mbit/s")
+    ap.add_argument('--steps', type=int, default=8); ap.add_argument('--reps', type=int, default=20)
+    ap.add_argument('--out', help="folder for validation.json and validation.md")
+    a = ap.parse_args()
+    if a.worker: return worker(a)
+    import warnings; warnings.filterwarnings('ignore')
+    from dtnb.bench.validate import validate, assemble, Validation, DEFAULT_LAYOUTS, _one_process
+    from dtnb.launcher.processes import launch
+    from dtnb.plan.memory import TransformerShape
+    results, t0 = [], time.time()
+    for size in a.sizes.split(','):
+        shape = TransformerShape(**SIZES[size])
+        v = validate(shape, [int(r) for r in a.ranks.split(',')], steps=a.steps, reps=a.reps)
+        results.append((size, v)); print(f"\n{size}: {v}  [{time.time() - t0:.0f} s]", flush=True)
+    if a.links:
+        from cluster import Cluster, cluster_unavailable
+        if (why := cluster_unavailable()): sys.exit(f"bench_step_model --links: {why}")
+        import tempfile
+        with Cluster(2) as c, tempfile.TemporaryDirectory() as tmp:
+            for size in a.sizes.split(','):
+                shape, names = TransformerShape(**SIZES[size]), DEFAULT_LAYOUTS[2]
+                one = launch(_one_process, shape, names, 2, a.steps, nprocs=1, threads=1, device='cpu')[0]
+                for link, rate in LINKS:
+                    steps = a.steps if rate != '100mbit' else max(4, a.steps // 2)
+                    rows = assemble(shape, 2, names, one, over_link(c, rate, shape, names, one, steps, a.reps, tmp))
+                    v = Validation(shape, link, rows); results.append((size, v))
+                    print(f"\n{size}: {v}  [{time.time() - t0:.0f} s]", flush=True)
+    if a.out:
+        out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
+        (out / 'validation.json').write_text(json.dumps([dict(size=s, **v.to_dict()) for s, v in results], indent=1))
+        (out / 'validation.md').write_text('\n\n'.join(f"### {s}: {v.link}\n\n{v._repr_markdown_()}"
+                                                       for s, v in results) + '\n')
+        print(f"wrote {out}/validation.json and validation.md")
 
 
 if __name__ == '__main__': main()

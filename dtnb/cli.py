@@ -149,6 +149,11 @@ def _size(s):
 
 def _add_plan(sub):
     p = sub.add_parser('plan', help="bytes per device for each parallel strategy, and the one that fits")
+    _plan_args(p)
+    p.set_defaults(func=_plan)
+
+def _plan_args(p):
+    "The options of `dtnb plan`, which `dtnb predict` shares"
     p.add_argument('--params', type=float, help="parameter count, e.g. 7.5e9 (default: from the transformer shape)")
     p.add_argument('--layers', type=int); p.add_argument('--hidden', type=int); p.add_argument('--heads', type=int)
     p.add_argument('--seq-len', type=int,
@@ -180,7 +185,38 @@ def _add_plan(sub):
                                                "(e.g. 50 for 400 Gb/s)")
     q.add_argument('--efficiency', type=float, help="fraction of the dense peak reached (default 0.4, published MFU)")
     q.add_argument('--plot', metavar='FILE', help="save cost vs time with the Pareto front to FILE (.png)")
-    p.set_defaults(func=_plan)
+
+# %% ../nbs/10_cli.ipynb #6c47a318
+def _validate(args):
+    "`dtnb predict --validate`: each layout this machine runs, predicted from measured parts, then measured"
+    from dtnb.bench.validate import validate, DEFAULT_LAYOUTS
+    from dtnb.plan.memory import TransformerShape
+    dims = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len)
+    if any(dims.values()) and not all(dims.values()):
+        raise ValueError("a transformer shape needs all of --layers, --hidden, --heads and --seq-len")
+    shape = TransformerShape(**dims, batch=args.batch) if all(dims.values()) else None
+    ranks = [int(r) for r in args.ranks.split(',')]
+    layouts = {n: args.run.split(',') for n in ranks if n > 1} if args.run else None
+    if layouts: layouts[1] = DEFAULT_LAYOUTS[1]
+    v = validate(shape, ranks, layouts, steps=args.steps)
+    if args.md: Path(args.md).write_text(v._repr_markdown_() + '\n'); _log.info(f"wrote {args.md}")
+    print(json.dumps(v.to_dict(), indent=2) if args.json else v)
+    return 0
+
+def _add_predict(sub):
+    p = sub.add_parser('predict', help="step time, wall time and cost on GPUs you don't have (as plan --predict); "
+                                       "--validate: predicted against measured on this machine")
+    _plan_args(p)
+    v = p.add_argument_group('validation', "--validate: predict each layout this machine runs from measured "
+                             "parts, run it, print both with the error (a transformer shape; default 4 layers, "
+                             "hidden 128, 2 heads, 128 tokens, batch 4 per rank)")
+    v.add_argument('--validate', action='store_true', help="run the layouts here and compare")
+    v.add_argument('--ranks', default='1,2', help="rank counts to run on this machine's CPU cores (default 1,2)")
+    v.add_argument('--run', metavar='LAYOUTS', help="layouts to run, e.g. ddp,fsdp,zero2,tp,pp,hsdp "
+                   "(default: each count's own list)")
+    v.add_argument('--steps', type=int, default=8, help="measured steps per figure (default 8)")
+    v.add_argument('--md', metavar='FILE', help="also write the table as Markdown to FILE")
+    p.set_defaults(func=lambda a: _validate(a) if a.validate else _plan(a), predict=True)
 
 # %% ../nbs/10_cli.ipynb #fe8af7bd
 def _bench(args):
@@ -378,6 +414,7 @@ def parser() -> argparse.ArgumentParser:
     l.add_argument('rest', nargs=argparse.REMAINDER, help="torchrun options, then the script and its arguments")
     l.set_defaults(func=_launch)
     _add_plan(sub)
+    _add_predict(sub)
     _add_bench(sub)
     _add_loader(sub)
     _add_checkpoints(sub)
