@@ -7,7 +7,8 @@ import pytest, torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / 'tools' / 'gpu_check.sh'
-STEPS = ['install', 'env', 'nvidia_smi', 'launch', 'gpu_bench', 'report', 'cuda_cells', 'cuda_tests', 'train']
+STEPS = ['install', 'env', 'nvidia_smi', 'predict', 'launch', 'gpu_bench', 'report', 'cuda_cells', 'cuda_tests',
+         'train']
 sys.path.insert(0, str(ROOT / 'tools'))
 import cuda_cells  # noqa: E402
 

@@ -47,7 +47,8 @@ UNPINNED = {
     '04_plan.activations': "traces activations where the model is", '04a_plan.memory': "estimates from shapes",
     '04b_plan.recommend': "plans from shapes and this machine's report",
     '06_data.loaders': "loaders in the host process", '07_bench.compute': "benchmarks of the device each call names",
-    '07c_bench.forecast': "predictions on paper", '08_reporting.document': "renders results",
+    '07c_bench.forecast': "predictions on paper", '07d_bench.ops': "ops traced on meta, timed in this process",
+    '08_reporting.document': "renders results",
     '10_cli': "the commands' arguments",
     '08a_reporting.sections': "the report's sections start CPU ranks themselves where accelerators are too few",
     'predict': "predictions on paper",
@@ -100,6 +101,7 @@ UNPINNED_TESTS = {
     'test_gpu_check.py': "tools/gpu_check.sh's no-GPU path and dry run (which pins what it runs itself); skips "
                          "itself where a GPU is",
     'test_gpu_node.py': "this module: GPU rules on the stand-in", 'test_site.py': "the docs site in a browser",
+    'test_ops.py': "steps traced on meta tensors and priced: no ranks, no device",
 }
 TEST_MODULES = sorted((ROOT / 'tests').glob('test_*.py'))
 

@@ -13,6 +13,9 @@
 # OUT_DIR (default $OUT, else gpu-check-<date>/) receives gpu-check.tar.gz (every log and result) and summary.json
 # (each step: its slice, seconds, exit code, 'timeout' or 'skipped'). The steps, most valuable first:
 #   1. install (offline, from the wheelhouse), env (`dtnb env --json`), nvidia_smi
+#      predict     the step times gpu_bench is about to measure, predicted from the datasheet, the device's measured
+#                  curves (if it has some yet) and its sampled ops (tools/gpu_predict_check.py); once gpu_bench.json
+#                  exists, its measured steps are set beside them (--compare) and summary.json shows both
 #      launch      detect() leaves CUDA alone and the next launch forks; after an export and a backward, launches start
 #                  from the fork server, timed (tools/gpu_launch_check.py)
 #   2. gpu_bench   benchmarks/gpu_bench.py --quick, every section, anchors held (DTNB_BENCH_STRICT=1)
@@ -25,11 +28,11 @@
 # step with under 10 s left is skipped. A slice is at least 15 s. Exit 1 when a step failed or ran out of time.
 #
 # --dry-run runs the same sequence, slices, stopping and archive on a machine without a GPU: the CPU forms of the
-# steps (gpu_bench --device cpu, the report's first sections, the cells' slices without their GPU cells, under the
-# one-GPU stand-in of tests/standin where a notebook is pinned to the CPU, fit and find_batch_size's estimate on the
-# CPU) and PYTHON's own environment instead of the offline install (tools/check_wheelhouse.sh checks that). CI runs
-# it with the default budget (CI machines differ in speed). Without --dry-run, on a machine without a GPU it says so
-# and exits 0, doing nothing else.
+# steps (predictions from ops sampled on the CPU, gpu_bench --device cpu, the report's first sections, the cells'
+# slices without their GPU cells, under the one-GPU stand-in of tests/standin where a notebook is pinned to the CPU,
+# fit and find_batch_size's estimate on the CPU) and PYTHON's own environment instead of the offline install
+# (tools/check_wheelhouse.sh checks that). CI runs it with the default budget (CI machines differ in speed). Without
+# --dry-run, on a machine without a GPU it says so and exits 0, doing nothing else.
 #
 # Environment: PYTHON (default python3: the one that has torch), WHEELHOUSE (default .whl), GPU_CHECK_VENV (where to
 # install when PYTHON is not a venv already; default $TMPDIR/dtnb-gpu-venv, made with --system-site-packages so the
@@ -44,10 +47,11 @@ WHEELS=${WHEELHOUSE:-.whl}
 
 # The steps in order of value, with their share of the budget in percent (the shares add up to more than 100: most
 # steps end well inside their slice, and none gets more than what is left). Sized on the first GPU run (one H200,
-# 480 s): install 17 s, env 9, gpu_bench 46, report 79, cuda_cells 111 (more now: 07's rounds), cuda_tests 16, train 14.
-STEPS="install:12 env:6 nvidia_smi:3 launch:6 gpu_bench:30 report:25 cuda_cells:40 cuda_tests:10 train:12"
+# 480 s): install 17 s, env 9, gpu_bench 46, report 79, cuda_cells 111 (more now: 07's rounds), cuda_tests 16, train 14;
+# predict (added after it, not yet run on a GPU) is torch's import, CUDA's start and about 150 op replays.
+STEPS="install:12 env:6 nvidia_smi:3 predict:6 launch:6 gpu_bench:30 report:25 cuda_cells:40 cuda_tests:10 train:12"
 # The dry run's CPU forms cost otherwise: no GPU benchmark to speak of, the cells' slices and the imports dominate.
-STEPS_DRY="install:5 env:10 nvidia_smi:3 launch:8 gpu_bench:20 report:25 cuda_cells:35 cuda_tests:5 train:20"
+STEPS_DRY="install:5 env:10 nvidia_smi:3 predict:5 launch:8 gpu_bench:20 report:25 cuda_cells:35 cuda_tests:5 train:20"
 
 requirements() {  # from pyproject.toml: build requirements, dependencies and the nvml/safetensors/dev extras
   "$PY" - <<'EOF'
@@ -137,16 +141,22 @@ echo "gpu_check: $n GPU(s)$( [ $DRY = 1 ] && echo ', dry run on the CPU'); budge
 say() { echo "$*" | tee -a "$RES/gpu_check.log"; }  # the console, kept in the archive too
 
 pack() {  # summary.json and the archive, rewritten whole after each step (write, then rename: never half a file)
-  "$PY0" - "$WORK/steps.tsv" "$RES/summary.json" "$BUDGET" "$DRY" "$n" "$((SECONDS - START))" <<'EOF' || true
-import json, sys
-tsv, out, budget, dry, gpus, secs = sys.argv[1:]
+  if [ -f "$RES/predict.json" ] && [ -f "$RES/benchmarks/gpu_bench.json" ]; then  # measured beside predicted
+    "$PY0" tools/gpu_predict_check.py --compare "$RES/predict.json" "$RES/benchmarks/gpu_bench.json" >/dev/null 2>&1
+  fi
+  "$PY0" - "$WORK/steps.tsv" "$RES/summary.json" "$BUDGET" "$DRY" "$n" "$((SECONDS - START))" "$RES/predict.json" \
+    <<'EOF' || true
+import json, os, sys
+tsv, out, budget, dry, gpus, secs, pred = sys.argv[1:]
 steps = []
 for line in open(tsv):
     name, slice_s, seconds, code = line.rstrip('\n').split('\t')
     steps.append(dict(step=name, slice=int(slice_s), seconds=int(seconds),
                       exit=int(code) if code.lstrip('-').isdigit() else code, log=f'gpu-check/{name}.log'))
+compare = json.load(open(pred)).get('compare') if os.path.exists(pred) else None  # predicted vs measured, per model
 json.dump(dict(budget=int(budget), seconds=int(secs), dry_run=dry == '1', gpus=int(gpus), steps=steps,
-               passed=all(s['exit'] in (0, 'skipped') for s in steps)), open(out, 'w'), indent=1)
+               passed=all(s['exit'] in (0, 'skipped') for s in steps), predicted_vs_measured=compare),
+          open(out, 'w'), indent=1)
 EOF
   cp "$RES/summary.json" "$OUT_DIR/.summary.json.part" && mv "$OUT_DIR/.summary.json.part" "$OUT_DIR/summary.json"
   tar czf "$OUT_DIR/.gpu-check.tar.gz.part" -C "$WORK" gpu-check &&
@@ -217,6 +227,7 @@ else
 fi
 step env bash -c env_json
 step nvidia_smi bash -c smi
+step predict "$PY" tools/gpu_predict_check.py --out "$RES/predict.json" $( [ $DRY = 1 ] && echo --device cpu )
 step launch "$PY" tools/gpu_launch_check.py --out "$RES/launch.json" $( [ $DRY = 1 ] && echo --device cpu )
 if [ $DRY = 1 ]; then
   step gpu_bench "$PY" benchmarks/gpu_bench.py --device cpu --quick --out "$RES/benchmarks"

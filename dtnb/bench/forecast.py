@@ -159,7 +159,7 @@ def _choose(plan, strategy):
                                   f"{', '.join(dict.fromkeys(repr(e.label) for e in plan.estimates))}")
     return next((i for i in opts if plan.estimates[i].total <= plan.budget), None)
 
-def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, loss_fn, strategy):
+def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, loss_fn, strategy, ops=True):
     "The prediction for target `t`: the plan, the step's parts, the run's hours and cost"
     plan = recommend(model, batch if hasattr(model, 'parameters') else None, world_size=t.count,
                      memory=t.spec.memory, optimizer=optimizer, precision=_trains_with(t.dtype), shape=shape,
@@ -172,7 +172,16 @@ def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, los
         return row | dict(fits=False)
     e = plan.estimates[chosen]; row['plan'] = e.label
     fps, mb, _ = flops_per_sample(model, batch, e.activation_checkpointing, loss_fn)
-    return _finish(row, e, *_step(t, e, fps, mb, shape, eff, microbatches), work)
+    parts = _step(t, e, fps, mb, shape, eff, microbatches)
+    op = _op_compute(t, e, model, batch, optimizer, loss_fn) if ops else None
+    if op is not None: parts, row['compute_model'] = (op.total, *parts[1:]), op.source
+    return _finish(row, e, *parts, work)
+
+def _op_compute(t, e, model, batch, optimizer, loss_fn):
+    "The operator-level step (`op_compute`) for target `t` where its device has measured curves, else None"
+    if not hasattr(model, 'parameters') or e.strategy == 'pipeline' or e.activation_checkpointing: return None
+    from dtnb.bench.ops import op_compute  # 07d, numbered above: imported here, when a model meets a target
+    return op_compute(model, batch, t.spec, t.dtype, optimizer, loss_fn)
 
 def _usd_hour(prices, t) -> float|None:
     "USD per hour of target `t`'s devices, None where there is no price"
@@ -291,7 +300,7 @@ def predict(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
             tokens:float|None=None, # tokens the run processes (a TransformerShape, or a parameter count)
             targets=('H100x8', 'A100x8', 'V100x4'), # `Target`s or strings like 'H100x8', 'A100x4:tf32'
             prices:dict|None=None, # device name -> USD per device-hour; default the dated `PRICES`
-            efficiency:float|dict|None=None, # fraction of peak reached (per device name as a dict); default 0.4
+            efficiency:float|dict|None=None, # fraction of peak (per device name as a dict); default 0.4, or op_compute
             optimizer:str='adamw', microbatches:int|None=None, # pipeline micro-batches per step (default 4 x stages)
             strategy:str|None=None, # an option of `recommend`'s table ('zero3', 'pipeline'...) instead of its choice
             loss_fn=None,
@@ -317,7 +326,8 @@ def predict(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
         e = eff.get(t.spec.name, EFFICIENCY) if isinstance(eff, dict) else eff
         if not 0 < e <= 1: raise ValueError(f"efficiency={e} must be a fraction of peak in (0, 1], e.g. 0.4")
         rows.append(_layout_row(t, shape, work, e, prices, optimizer) if layouts else
-                    _row(t, model, batch, shape, work, e, prices, optimizer, microbatches, loss_fn, strategy))
+                    _row(t, model, batch, shape, work, e, prices, optimizer, microbatches, loss_fn, strategy,
+                         ops=efficiency is None))
     if not any(r['fits'] for r in rows):
         raise ValueError("The model fits on none of the targets: " + '; '.join(f"{r['target']}: {r['reason']}"
                                                                                 for r in rows))
@@ -326,7 +336,9 @@ def predict(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
     comm = ("communication not overlapped, by layout dimension (recommend's step_parts): tp inside a server at the "
             "device table's link, dp and pp across servers at busbw" if layouts else
             "communication not overlapped, at the link's datasheet bus bandwidth (nccl-tests busbw, ZeRO volumes)")
-    assume = [f"compute at {how} of each format's dense datasheet peak", comm,
+    ops = list(dict.fromkeys(r['compute_model'] for r in rows if r.get('compute_model')))
+    assume = [f"compute at {how} of each format's dense datasheet peak" + (", where no curves" if ops else ''),
+              *[f"compute from the operator-level model (dtnb.bench.ops): {s}" for s in ops], comm,
               "prices: " + ('given' if prices is not None else f"{PRICES['unit']}, {PRICES['date']}, {PRICES['note']}")]
     assume += [no_price(n) for n in dict.fromkeys(r['device'] for r in rows if r['usd_hour'] is None)]
     what = f"{tokens:.3g} tokens" if tokens is not None else f"{samples:.3g} samples"
