@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / 'tests'))
 PORT = 29720
-SIZES = {'small': dict(layers=4, hidden=128, heads=2, seq_len=128, batch=4),
+SIZES = {'small': dict(layers=4, hidden=128, heads=4, seq_len=128, batch=4),
          'base': dict(layers=4, hidden=256, heads=4, seq_len=128, batch=4)}
 LINKS = (('namespace link', None), ('link at 1 Gbit/s', '1gbit'), ('link at 100 Mbit/s', '100mbit'))
 
@@ -30,17 +30,17 @@ def worker(a):
     from dtnb.plan.memory import TransformerShape
     job = json.loads(Path(a.job).read_text())
     dtnb.init_distributed()
-    out = validate_rank(TransformerShape(**job['shape']), job['names'], job['one'], job['steps'], job['reps'])
+    out = validate_rank(TransformerShape(**job['shape']), job['names'], job['one'], job['steps'], job['seconds'])
     print('RESULT ' + json.dumps(out), flush=True)
     dtnb.shutdown()
 
 
-def over_link(c, rate, shape, names, one, steps, reps, tmp):
+def over_link(c, rate, shape, names, one, steps, seconds, tmp):
     "Rows of the 2-rank layouts `names`, rank i on host i + 1, both ends of each cable limited to `rate`"
     from dataclasses import asdict
     for h in c.hosts: c.shape(h, rate)
     job = Path(tmp) / 'job.json'
-    job.write_text(json.dumps(dict(shape=asdict(shape), names=names, one=one, steps=steps, reps=reps)))
+    job.write_text(json.dumps(dict(shape=asdict(shape), names=names, one=one, steps=steps, seconds=seconds)))
     env = {k: v for k, v in os.environ.items() if not k.endswith('SOCKET_IFNAME')}
     procs = [c.run(h, [sys.executable, __file__, '--worker', '--job', str(job)], cwd=ROOT, text=True,
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -59,7 +59,7 @@ def main():
     ap.add_argument('--worker', action='store_true'); ap.add_argument('--job')
     ap.add_argument('--sizes', default='small,base'); ap.add_argument('--ranks', default='1,2,4')
     ap.add_argument('--links', action='store_true', help="also across namespace hosts (root): 1 Gbit/s, 100 Mbit/s")
-    ap.add_argument('--steps', type=int, default=8); ap.add_argument('--reps', type=int, default=20)
+    ap.add_argument('--steps', type=int, default=8); ap.add_argument('--seconds', type=float, default=4.0)
     ap.add_argument('--out', help="folder for validation.json and validation.md")
     a = ap.parse_args()
     if a.worker: return worker(a)
@@ -70,7 +70,7 @@ def main():
     results, t0 = [], time.time()
     for size in a.sizes.split(','):
         shape = TransformerShape(**SIZES[size])
-        v = validate(shape, [int(r) for r in a.ranks.split(',')], steps=a.steps, reps=a.reps)
+        v = validate(shape, [int(r) for r in a.ranks.split(',')], steps=a.steps, seconds=a.seconds)
         results.append((size, v)); print(f"\n{size}: {v}  [{time.time() - t0:.0f} s]", flush=True)
     if a.links:
         from cluster import Cluster, cluster_unavailable
@@ -82,7 +82,7 @@ def main():
                 one = launch(_one_process, shape, names, 2, a.steps, nprocs=1, threads=1, device='cpu')[0]
                 for link, rate in LINKS:
                     steps = a.steps if rate != '100mbit' else max(4, a.steps // 2)
-                    rows = assemble(shape, 2, names, one, over_link(c, rate, shape, names, one, steps, a.reps, tmp))
+                    rows = assemble(shape, 2, names, one, over_link(c, rate, shape, names, one, steps, a.seconds, tmp))
                     v = Validation(shape, link, rows); results.append((size, v))
                     print(f"\n{size}: {v}  [{time.time() - t0:.0f} s]", flush=True)
     if a.out:

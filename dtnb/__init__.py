@@ -28,7 +28,7 @@ _API = '''
     bench_matmul bench_memory bench_collectives bench_model bench_scaling bench_all cost_per_experiment BenchResult
     time_fn
     predict Prediction Target device_spec DeviceSpec target_node
-    trace_step op_seconds sample_ops load_curves
+    trace_step op_seconds sample_ops load_curves validate Validation
     report
     set_verbosity get_logger DtnbWarning PerformanceWarning EquivalenceWarning CheckpointWarning UsageWarning
     check_equivalence EquivalenceReport trace_collectives CollectiveTrace

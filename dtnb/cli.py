@@ -89,14 +89,19 @@ def _report(args):
     return 0 if rep.ok else 1
 
 # %% ../nbs/10_cli.ipynb #20ef5ca0
-def _plan(args):
-    from dtnb.plan.memory import estimate_memory, TransformerShape
-    from dtnb.plan.recommend import recommend
+def _shape_of(args):
+    "The `TransformerShape` of --layers, --hidden, --heads and --seq-len (all of them or none: None)"
+    from dtnb.plan.memory import TransformerShape
     dims = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len)
-    if args.predict and args.params and not args.layers: return _predict(args, args.params)
     if any(dims.values()) and not all(dims.values()):
         raise ValueError("a transformer shape needs all of --layers, --hidden, --heads and --seq-len")
-    shape = TransformerShape(**dims, batch=args.batch, vocab=args.vocab) if all(dims.values()) else None
+    return TransformerShape(**dims, batch=args.batch, vocab=args.vocab) if all(dims.values()) else None
+
+def _plan(args):
+    from dtnb.plan.memory import estimate_memory
+    from dtnb.plan.recommend import recommend
+    if args.predict and args.params and not args.layers: return _predict(args, args.params)
+    shape = _shape_of(args)
     model = args.params or shape
     if model is None:
         raise ValueError("give --params (e.g. --params 7.5e9) or a transformer shape "
@@ -149,8 +154,7 @@ def _size(s):
 
 def _add_plan(sub):
     p = sub.add_parser('plan', help="bytes per device for each parallel strategy, and the one that fits")
-    _plan_args(p)
-    p.set_defaults(func=_plan)
+    _plan_args(p); p.set_defaults(func=_plan)
 
 def _plan_args(p):
     "The options of `dtnb plan`, which `dtnb predict` shares"
@@ -190,30 +194,21 @@ def _plan_args(p):
 def _validate(args):
     "`dtnb predict --validate`: each layout this machine runs, predicted from measured parts, then measured"
     from dtnb.bench.validate import validate, DEFAULT_LAYOUTS
-    from dtnb.plan.memory import TransformerShape
-    dims = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len)
-    if any(dims.values()) and not all(dims.values()):
-        raise ValueError("a transformer shape needs all of --layers, --hidden, --heads and --seq-len")
-    shape = TransformerShape(**dims, batch=args.batch) if all(dims.values()) else None
-    ranks = [int(r) for r in args.ranks.split(',')]
-    layouts = {n: args.run.split(',') for n in ranks if n > 1} if args.run else None
-    if layouts: layouts[1] = DEFAULT_LAYOUTS[1]
+    shape, ranks = _shape_of(args), [int(r) for r in args.ranks.split(',')]
+    layouts = args.run and {1: DEFAULT_LAYOUTS[1]} | {n: args.run.split(',') for n in ranks if n > 1}
     v = validate(shape, ranks, layouts, steps=args.steps)
     if args.md: Path(args.md).write_text(v._repr_markdown_() + '\n'); _log.info(f"wrote {args.md}")
     print(json.dumps(v.to_dict(), indent=2) if args.json else v)
-    return 0
 
 def _add_predict(sub):
     p = sub.add_parser('predict', help="step time, wall time and cost on GPUs you don't have (as plan --predict); "
                                        "--validate: predicted against measured on this machine")
     _plan_args(p)
-    v = p.add_argument_group('validation', "--validate: predict each layout this machine runs from measured "
-                             "parts, run it, print both with the error (a transformer shape; default 4 layers, "
-                             "hidden 128, 2 heads, 128 tokens, batch 4 per rank)")
+    v = p.add_argument_group('validation', "--validate: each layout this machine runs, predicted from measured parts, "
+                             "then run (default shape: 4 layers, hidden 128, 4 heads, 128 tokens, batch 4)")
     v.add_argument('--validate', action='store_true', help="run the layouts here and compare")
     v.add_argument('--ranks', default='1,2', help="rank counts to run on this machine's CPU cores (default 1,2)")
-    v.add_argument('--run', metavar='LAYOUTS', help="layouts to run, e.g. ddp,fsdp,zero2,tp,pp,hsdp "
-                   "(default: each count's own list)")
+    v.add_argument('--run', metavar='LAYOUTS', help="layouts to run, e.g. ddp,fsdp,zero2,tp,pp,hsdp (default: all)")
     v.add_argument('--steps', type=int, default=8, help="measured steps per figure (default 8)")
     v.add_argument('--md', metavar='FILE', help="also write the table as Markdown to FILE")
     p.set_defaults(func=lambda a: _validate(a) if a.validate else _plan(a), predict=True)

@@ -47,11 +47,11 @@ UNPINNED = {
     '04_plan.activations': "traces activations where the model is", '04a_plan.memory': "estimates from shapes",
     '04b_plan.recommend': "plans from shapes and this machine's report",
     '06_data.loaders': "loaders in the host process", '07_bench.compute': "benchmarks of the device each call names",
-    '07c_bench.forecast': "predictions on paper", '07d_bench.ops': "ops traced on meta, timed in this process",
+    '07d_bench.forecast': "predictions on paper", '07c_bench.ops': "ops traced on meta, timed in this process",
     '08_reporting.document': "renders results",
     '10_cli': "the commands' arguments",
     '08a_reporting.sections': "the report's sections start CPU ranks themselves where accelerators are too few",
-    'predict': "predictions on paper",
+    'predict': "predictions on paper; its validate() pins its own ranks to the CPU",
 }
 
 

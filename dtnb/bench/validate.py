@@ -1,4 +1,4 @@
-"""Every predicted step time beside a measured one: the layouts this machine can run, predicted from measured parts, then run.
+"""Every predicted step time beside a measured one: each layout this machine runs, predicted from parts, then run.
 
 Docs: https://dtnb-dev.github.io/dtnb/bench.validate.html.md"""
 
@@ -106,10 +106,14 @@ def _batch(shape, n):
 def sample_compute(shape:TransformerShape, d:Degrees, steps:int=8, sync:bool=False) -> dict:
     "Seconds of one rank's own work with plain modules: 'forward' and 'step' (pp: 'stages', one micro-batch each)"
     torch.set_num_threads(1)
-    if d.pp > 1:
-        mb = rank_sequences(shape, d) // (2 * d.pp)
-        return dict(stages=[_trimmed(_times(_stepper(local_model(shape, d, k), *_batch(shape, mb)), steps, sync=sync))
-                            for k in range(d.pp)])
+    if d.pp > 1:  # a stage runs each micro-batch's forward and backward, and its optimizer once a step
+        mb, out = rank_sequences(shape, d) // (2 * d.pp), []
+        for k in range(d.pp):
+            m, (x, y) = local_model(shape, d, k), _batch(shape, mb)
+            opt = torch.optim.SGD(m.parameters(), lr=1e-4)
+            fb = _trimmed(_times(lambda: F.mse_loss(m(x), y).backward(), steps, sync=sync))
+            out.append(dict(micro_batch=fb, optimizer=_trimmed(_times(opt.step, steps, sync=sync))))
+        return dict(stages=out)
     m, (x, y) = local_model(shape, d), _batch(shape, rank_sequences(shape, d))
     with torch.no_grad(): fwd = _trimmed(_times(lambda: m(x), steps))
     return dict(forward=fwd, step=_trimmed(_times(_stepper(m, x, y), steps, sync=sync)))
@@ -130,12 +134,30 @@ def sample_dispatch(shape:TransformerShape, steps:int=8) -> float:
     return max(0.0, _trimmed(_times(_stepper(m, x, y), steps)) - plain)
 
 # %% ../../nbs/07e_bench.validate.ipynb #9e859636
-def param_probe(shape:TransformerShape, name:str, steps:int=16) -> float:
-    "Seconds layout `name` adds to a step of `shape`'s model at one token on this group: its parameters' communication"
+class _Work(torch.autograd.Function):
+    "Busy work standing in for a block's compute: `fwd` seconds in the forward, `bwd` in the backward"
+    @staticmethod
+    def forward(ctx, x, busy, fwd, bwd):
+        busy(fwd); ctx.busy, ctx.bwd = busy, bwd
+        return x.view_as(x)
+    @staticmethod
+    def backward(ctx, g):
+        ctx.busy(ctx.bwd)
+        return g, None, None, None
+
+def _stand_in(m:nn.Module, busy, fwd:float, bwd:float) -> nn.Module:
+    "`m` with each block's compute stood in for by busy work before its forward, and after its backward"
+    for b in m.layers: b.register_forward_pre_hook(lambda mod, args: (_Work.apply(args[0], busy, fwd, bwd),))
+    return m
+
+def param_probe(shape:TransformerShape, name:str, busy, forward:float=0.0, step:float=0.0, steps:int=16) -> float:
+    "Seconds layout `name` adds to `shape`'s model's step on this group, its compute stood in for at one token"
     torch.set_num_threads(1); warnings.filterwarnings('ignore', category=UserWarning)
     n, (x, y) = dist.get_world_size(), _batch(TransformerShape(1, shape.hidden, 1, 1, 1), 1)
-    plain = _trimmed(_times(_stepper(shape_model(shape), x, y), steps, sync=True))
-    return max(0.0, _trimmed(_times(_stepper(_apply(shape_model(shape), name, n), x, y), steps, sync=True)) - plain)
+    L = shape.layers
+    model = lambda: _stand_in(shape_model(shape), busy, forward / L, (step - forward) / L)
+    plain = _trimmed(_times(_stepper(model(), x, y), steps, sync=True))
+    return max(0.0, _trimmed(_times(_stepper(_apply(model(), name, n), x, y), steps, sync=True)) - plain)
 
 # %% ../../nbs/07e_bench.validate.ipynb #b05d3384
 def activation_collectives(shape:TransformerShape, name:str, d:Degrees, forward:float=0.0, step:float=0.0) -> list:
@@ -143,10 +165,15 @@ def activation_collectives(shape:TransformerShape, name:str, d:Degrees, forward:
     if name == 'tp':
         return [('all_reduce', rank_sequences(shape, d) * shape.seq_len * shape.hidden, step / (6 * shape.layers),
                  6 * shape.layers)]
-    if name == 'pp':  # a send follows a micro-batch's forward or backward (`step`: a micro-batch's, under pp)
+    if name == 'pp':  # each way, one send a micro-batch's step (`step`: a micro-batch's, under pp) in 1F1B
         m = 2 * d.pp
-        return [('send', rank_sequences(shape, d) // m * shape.seq_len * shape.hidden, step / 2, 2 * m)]
+        return [('send', rank_sequences(shape, d) // m * shape.seq_len * shape.hidden, step, 2 * m)]
     return []
+
+def _agree(n:int) -> int:
+    "Rank 0's `n`, on every rank: loops that hold collectives must run as many times everywhere"
+    t = torch.tensor([n]); dist.broadcast(t, 0)
+    return int(t)
 
 class _Busy:
     "About `s` seconds of busy work on this thread (128 x 128 matmuls), calibrated once"
@@ -157,17 +184,27 @@ class _Busy:
         for _ in range(int(s / self.per)): self.a @ self.a
 
 def _collective(op:str, nelem:int):
-    "A function running collective `op` on `nelem` elements of this rank"
+    "A function running collective `op` on `nelem` elements of this rank, as the layout runs it"
     t, r = torch.randn(nelem), dist.get_rank()
-    if op == 'all_reduce': return lambda: dist.all_reduce(t)
+    if op == 'all_reduce':  # tp's: a DTensor's partial sums made whole, as DTensor runs it (functional collective)
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh('cpu', (dist.get_world_size(),))
+        return lambda: DTensor.from_local(t, mesh, [Partial()], run_check=False).redistribute(
+            mesh, [Replicate()]).to_local().sum()
     if op == 'send': return lambda: dist.send(t, r + 1) if r % 2 == 0 else dist.recv(t, r - 1)  # pairs of ranks
     raise ValueError(f"op {op!r}: 'all_reduce' or 'send'")
 
-def sample_collective(op:str, nelem:int, before:float, busy:_Busy, reps:int=50) -> float:
+def sample_collective(op:str, nelem:int, before:float, busy:_Busy, seconds:float=4.0) -> float:
     "Seconds collective `op` of `nelem` elements adds to a rank's step when it follows `before` seconds of compute"
     f = _collective(op, nelem); f(); dist.barrier()
-    alone = _times(lambda: busy(before), reps, 1, sync=True)
-    both = _times(lambda: (busy(before), f()), reps, 1, sync=True)
+    s = time.perf_counter(); f(); busy(before); dist.barrier()
+    reps = int(min(400, max(30, seconds / 2 / (time.perf_counter() - s))))  # each alike on every rank: rank 0's
+    reps = _agree(reps)
+    alone, both = [], []
+    for _ in range(-(-reps // 8)):  # in turns of 8 in a row: a slower spell weighs on both alike, and a shaped
+        alone += _times(lambda: busy(before), 8, 0, sync=True)  # link's token bucket drains as in the step
+        both += _times(lambda: (busy(before), f()), 8, 1, sync=True)
     return max(0.0, _trimmed(both) - _trimmed(alone))
 
 # %% ../../nbs/07e_bench.validate.ipynb #d682441f
@@ -179,7 +216,7 @@ def measure_layout(shape:TransformerShape, name:str, steps:int=8) -> list:
     m = _apply(shape_model(shape), name, n)
     return _times(_stepper(m, *_batch(shape, rank_sequences(shape, d)), d.pp > 1), steps, sync=n > 1)
 
-def validate_rank(shape:TransformerShape, names:list, one:dict, steps:int=8, reps:int=50) -> dict:
+def validate_rank(shape:TransformerShape, names:list, one:dict, steps:int=8, seconds:float=4.0) -> dict:
     "In each rank of a group: every layout's parts sampled (`one`: the one-process samples), then its real steps"
     torch.set_num_threads(1); warnings.filterwarnings('ignore', category=UserWarning)
     n, busy, out = dist.get_world_size(), _Busy(), {}
@@ -187,8 +224,8 @@ def validate_rank(shape:TransformerShape, names:list, one:dict, steps:int=8, rep
         d = layout_degrees(name, n, shape)
         c = sample_compute(shape, d, steps, sync=True)  # every rank at once, in step: the machine shared
         dist.barrier()
-        probe = param_probe(shape, name, 2 * steps) if d.dp > 1 else 0.0
-        colls = [dict(op=op, nelem=k, before=b, count=cnt, s=sample_collective(op, k, b, busy, reps))
+        probe = param_probe(shape, name, busy, **one[name]['compute'], steps=2 * steps) if d.dp > 1 else 0.0
+        colls = [dict(op=op, nelem=k, before=b, count=cnt, s=sample_collective(op, k, b, busy, seconds))
                  for op, k, b, cnt in activation_collectives(shape, name, d, **one[name]['compute'])]
         dist.barrier()
         out[name] = dict(compute=c, probe=probe, collectives=colls, measured=measure_layout(shape, name, steps))
@@ -200,7 +237,8 @@ def _one_process(shape, names, n, steps):
     for name in names:
         d = layout_degrees(name, n, shape)
         c = sample_compute(shape, d, steps)
-        out[name] = dict(compute=dict(forward=0.0, step=max(c['stages'])) if 'stages' in c else c,
+        out[name] = dict(compute=dict(forward=0.0, step=max(t['micro_batch'] for t in c['stages']))
+                         if 'stages' in c else c,
                          dispatch=sample_dispatch(shape, steps) if d.tp > 1 else 0.0)
         if name == 'single': out[name] |= dict(measured=measure_layout(shape, name, steps), rank=c)
     return out
@@ -209,9 +247,10 @@ def _one_process(shape, names, n, steps):
 def predict_parts(name:str, d:Degrees, one:dict, rank:dict) -> dict:
     "Seconds of the predicted step of layout `name` by part, from the one-process samples and one rank's samples"
     comm = sum(c['s'] * c['count'] for c in rank.get('collectives', []))
-    if d.pp > 1:
-        t = rank['compute']['stages']; m = 2 * d.pp
-        return dict(compute=m * max(t), wrapper=0.0, communication=comm, bubble=sum(t) - max(t))
+    if d.pp > 1:  # 1F1B: m micro-batches at the slowest stage's pace, filled and drained by the others
+        t, m = [x['micro_batch'] for x in rank['compute']['stages']], 2 * d.pp
+        opt = max(x['optimizer'] for x in rank['compute']['stages'])
+        return dict(compute=m * max(t) + opt, wrapper=0.0, communication=comm, bubble=sum(t) - max(t))
     return dict(compute=rank['compute']['step'], wrapper=one['dispatch'],
                 communication=comm + rank.get('probe', 0.0), bubble=0.0)
 
@@ -231,8 +270,11 @@ class Validation:
     link: str          # how the ranks were connected
     rows: list         # one dict per (layout, ranks)
     machine: dict = field(default_factory=_machine)
+    skipped: list = field(default_factory=list)  # default layouts the shape does not allow, and why
 
-    def errors(self, ranks=(1, 2)) -> list: return [r['error'] for r in self.rows if r['ranks'] in ranks]
+    def errors(self, ranks=(1, 2)) -> list:
+        "The errors of the layouts on `ranks` ranks (of every row, where none ran on those)"
+        return [r['error'] for r in self.rows if r['ranks'] in ranks] or [r['error'] for r in self.rows]
     @property
     def mean_abs_error(self) -> float: return statistics.mean(abs(e) for e in self.errors())
     @property
@@ -253,9 +295,12 @@ class Validation:
     def to_dict(self) -> dict:
         from dataclasses import asdict
         return dict(shape=asdict(self.shape), link=self.link, machine=self.machine, rows=self.rows,
-                    mean_abs_error=self.mean_abs_error, max_abs_error=self.max_abs_error)
-    def __str__(self): return self.headline() + '\n' + text_table(self._cols, self.table())
-    def _repr_markdown_(self): return f"**{self.headline()}**\n\n" + md_table(self._cols, self.table())
+                    mean_abs_error=self.mean_abs_error, max_abs_error=self.max_abs_error, skipped=self.skipped)
+    def _skips(self, bullet): return ''.join(f"\n{bullet}skipped: {s}" for s in self.skipped)
+    def __str__(self): return self.headline() + '\n' + text_table(self._cols, self.table()) + self._skips('')
+    def _repr_markdown_(self):
+        return f"**{self.headline()}**\n\n" + md_table(self._cols, self.table()) + '\n' * bool(self.skipped) \
+            + self._skips('- ')
 
 # %% ../../nbs/07e_bench.validate.ipynb #ecc82fd8
 def _noise(ts) -> float:
@@ -265,7 +310,7 @@ def _noise(ts) -> float:
 def _row(name, n, d, one, ranks):
     "The row of layout `name` on `n` ranks from the one-process samples and each rank's results"
     parts = [predict_parts(name, d, one[name], r) for r in ranks]
-    p = max(parts, key=lambda q: sum(q.values()))  # the slowest rank sets the step
+    p = {k: statistics.mean(q[k] for q in parts) for k in parts[0]}  # every rank samples the same parts: their mean
     per_rank = [_trimmed(r['measured']) for r in ranks]
     slow = per_rank.index(max(per_rank))
     pred, meas = sum(p.values()), per_rank[slow]
@@ -280,22 +325,32 @@ def assemble(shape:TransformerShape, n:int, names:list, one:dict, ranks:list) ->
 def validate(shape:TransformerShape|None=None, # the model to predict and run; default 4 layers, hidden 128
              ranks=(1, 2),          # the rank counts to run, each on this machine's CPU cores
              layouts:dict|None=None, # {ranks: [layout names]}; default `DEFAULT_LAYOUTS`
-             steps:int=8, reps:int=50, # measured steps per figure; repetitions of each sampled collective
+             steps:int=8, seconds:float=4.0, # measured steps per figure; seconds each sampled collective is timed
              link:str='loopback (one host)', # says how the ranks are connected, in the result
              timeout:float=900) -> Validation:
     "Predict each layout's step time on this machine from measured parts, run it, and set the two side by side"
-    shape = shape or TransformerShape(layers=4, hidden=128, heads=2, seq_len=128, batch=4)
-    rows = []
+    shape = shape or TransformerShape(layers=4, hidden=128, heads=4, seq_len=128, batch=4)
+    rows, skipped = [], []
     for n in ([ranks] if isinstance(ranks, int) else ranks):
-        names = (layouts or DEFAULT_LAYOUTS).get(n) or DEFAULT_LAYOUTS.get(n)
+        names = (layouts or {}).get(n) or DEFAULT_LAYOUTS.get(n)
         if not names: raise ValueError(f"no layouts for {n} ranks: give layouts={{{n}: ['ddp', ...]}}")
-        for name in names: layout_degrees(name, n, shape)  # bad input stops here, before anything runs
+        if (layouts or {}).get(n):
+            for name in names: layout_degrees(name, n, shape)  # bad input stops here, before anything runs
+        else: names, skipped = _runnable(names, n, shape, skipped)
         one = launch(_one_process, shape, names, n, steps, nprocs=1, threads=1, device='cpu', timeout=timeout)[0]
         if n == 1:
             rows += [_row(name, 1, Degrees(), one, [dict(compute=one[name]['rank'], measured=one[name]['measured'])])
                      for name in names]
             continue
-        res = launch(validate_rank, shape, names, one, steps, reps, nprocs=n, threads=1, device='cpu',
+        res = launch(validate_rank, shape, names, one, steps, seconds, nprocs=n, threads=1, device='cpu',
                      timeout=timeout)
         rows += assemble(shape, n, names, one, res)
-    return Validation(shape, link, rows)
+    return Validation(shape, link, rows, skipped=skipped)
+
+def _runnable(names, n, shape, skipped):
+    "The default layouts of `n` ranks that `shape` allows, and why the others are `skipped`"
+    ok = []
+    for name in names:
+        try: layout_degrees(name, n, shape); ok.append(name)
+        except ValueError as e: skipped = skipped + [f"{name} on {n} ranks: {e}"]
+    return ok, skipped

@@ -193,14 +193,24 @@ def layout_candidates(model, world_size:int, max_tp:int=8, units=None) -> list:
     divs = [d for d in range(1, world_size + 1) if world_size % d == 0]
     if isinstance(model, TransformerShape):
         cuts, tp_ok = model.layers, lambda t: model.heads % t == 0
-    elif hasattr(model, 'parameters'): cuts, tp_ok = len(pipeline_units(model)), lambda t: _splits(model, t)
-    else: cuts, tp_ok = world_size, lambda t: True
+        sp_ok = lambda t, s: model.heads % (t * s) == 0 and model.seq_len % s == 0
+    elif hasattr(model, 'parameters'):
+        cuts, tp_ok = len(pipeline_units(model)), lambda t: _splits(model, t)
+        sp_ok = lambda t, s: _ulysses_ok(model, t, s)
+    else: cuts, tp_ok, sp_ok = world_size, lambda t: True, lambda t, s: False
     out = []
     for tp in (t for t in divs if t <= max_tp and tp_ok(t)):
         for pp in (p for p in divs if world_size % (tp * p) == 0 and p <= cuts):
-            dp = world_size // (tp * pp)
-            out += [Degrees(dp_replicate=r, dp_shard=dp // r, tp=tp, pp=pp) for r in divs[::-1] if dp % r == 0]
+            for sp in (s for s in divs if world_size % (tp * pp * s) == 0 and (s == 1 or pp == 1 and sp_ok(tp, s))):
+                dp = world_size // (tp * pp * sp)  # Ulysses (sp) splits sequences; it runs without pipelines
+                out += [Degrees(dp_replicate=r, dp_shard=dp // r, tp=tp, pp=pp, sp=sp)
+                        for r in divs[::-1] if dp % r == 0]
     return out
+
+def _ulysses_ok(model, tp, sp):
+    "Whether `ulysses` splits `model`'s sequences `sp` ways beside `tp`: a transformers model, heads for both"
+    heads = getattr(getattr(model, 'config', None), 'num_attention_heads', None)
+    return callable(getattr(model, 'set_attn_implementation', None)) and bool(heads) and heads % (tp * sp) == 0
 
 def _splits(model, tp):
     "Whether `tp_plan` splits `model` into `tp` equal parts (tp 1: always)"
@@ -222,27 +232,34 @@ def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISIO
                activation_checkpointing:bool=False) -> dict:
     "Predicted seconds of one step of `shape` under layout `d`, by part: compute, bubble, tp, dp, pp (see above)"
     p, n, m = PRECISIONS[precision], d.world_size, 2 * d.pp
-    s, h, seqs = shape.seq_len, shape.hidden, shape.batch * n / d.dp  # sequences each data-parallel group runs
+    s, h = shape.seq_len, shape.hidden
+    tok = shape.batch * n / d.dp / d.sp * s  # tokens of each rank's tp group: its sequences, a 1/sp slice of each
     compute = 6 * shape.params() * s * shape.batch / node.flops * (4 / 3 if activation_checkpointing else 1)
     bubble = (d.pp - 1) / m * compute
     ar = lambda k, b, link: 2 * (k - 1) / k * b / link
-    tp = ar(d.tp, 4 * shape.layers / d.pp * seqs * s * h * p.activations, node.intra)
     link = lambda ranks: node.intra if ranks <= node.devices else node.inter  # a group of consecutive ranks
+    tp = ar(d.tp, 4 * shape.layers / d.pp * tok * h * p.activations, node.intra)
+    # Ulysses: q, k, v to heads and the output back to sequences, forward and backward: 8 all-to-alls a layer
+    sp = (d.sp - 1) / d.sp * 8 * shape.layers * tok * h / d.tp * p.activations / link(d.tp * d.sp)
     g = shape.params() / (d.tp * d.pp) * p.grads  # gradient bytes of one rank's stage and tp slice
-    dp = (ar(d.dp_shard, 1.5 * g, link(d.tp * d.dp_shard)) +  # FSDP: reduce-scatter + the parameter gathers
-          ar(d.dp_replicate, g / d.dp_shard, link(d.tp * d.dp)))  # replicas (DDP, HSDP): all-reduce of the shards
-    pp = 2 * seqs * s * h * p.activations / node.inter if d.pp_enabled else 0
-    n = step_collectives(shape, d, g / d.dp_shard)
-    return dict(compute=compute, bubble=bubble, tp=tp + n['tp'] * node.latency, dp=dp + n['dp'] * node.latency,
-                pp=pp + n['pp'] * node.latency)
+    fs = d.dp_shard * (d.sp if d.dp_shard > 1 else 1)  # FSDP shards over dp_shard x sp (sp ranks hold the same)
+    rep = d.dp_replicate * (d.sp if d.dp_shard == 1 else 1)  # replicas of each shard: DDP, HSDP, sp without FSDP
+    dp = (ar(fs, 1.5 * g, link(d.tp * fs)) +  # FSDP: reduce-scatter + the parameter gathers
+          ar(rep, g / fs, link(d.tp * fs * rep)))  # replicas (DDP, HSDP): all-reduce of the shards
+    pp = 2 * tok * h * p.activations / node.inter if d.pp_enabled else 0
+    n = step_collectives(shape, d, g / fs)
+    return dict(compute=compute, bubble=bubble, tp=tp + n['tp'] * node.latency, sp=sp + n['sp'] * node.latency,
+                dp=dp + n['dp'] * node.latency, pp=pp + n['pp'] * node.latency)
 
 def step_collectives(shape:TransformerShape, d:Degrees, grad_bytes:float=0) -> dict:
     "Collectives (pipeline: sends) one rank starts in a step, by part; each costs `Node.latency` beside its bytes"
     mb, units = 2 * d.pp if d.pp_enabled else 1, shape.layers / d.pp + 1  # FSDP's and replicate's: blocks, the root
     ddp = 1 + -(-max(0, grad_bytes - 2**20) // (25 * 2**20))  # DDP's buckets: 1 MiB first, then 25 MiB
     rep = units if (d.tp_enabled or d.pp_enabled or d.dp_shard_enabled) else ddp
+    replicas = d.dp_replicate_enabled or (d.sp_enabled and not d.dp_shard_enabled)  # sp ranks' gradients: summed
     return dict(tp=4 * shape.layers / d.pp * mb * d.tp_enabled,  # two all-reduces forward, two backward, per layer
-                dp=3 * units * d.dp_shard_enabled + rep * d.dp_replicate_enabled,  # gather, gather, reduce-scatter
+                sp=8 * shape.layers * d.sp_enabled,  # Ulysses' all-to-alls: 4 forward, 4 backward, per layer
+                dp=3 * units * d.dp_shard_enabled + rep * replicas,  # gather, gather, reduce-scatter
                 pp=2 * mb * d.pp_enabled)  # each microbatch's activations forward, their gradients back
 
 def step_time(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISION, node:Node=Node(),
