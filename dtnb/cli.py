@@ -368,7 +368,7 @@ def _shape(s):
     if not shape or min(shape) < 1: raise argparse.ArgumentTypeError(f"{s!r}: write sizes like 3,32,32")
     return shape
 
-REPORT_SECTIONS = ('env', 'plan', 'training', 'loader', 'bench')  # `dtnb.reporting.sections.SECTIONS`, not imported
+REPORT_SECTIONS = ('env', 'plan', 'predict', 'training', 'loader', 'bench')  # sections.SECTIONS, not imported
 
 def _list_choices(p:argparse.ArgumentParser):
     "Name the choices in the help of every option whose metavar hides them (`--only NAME`), in `p` and its commands"

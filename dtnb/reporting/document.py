@@ -25,7 +25,7 @@ class Section:
     figures: dict = field(default_factory=dict)  # name -> matplotlib Figure, placed where `fig_ref(name)` is
     seconds: float = 0.0
     error: str|None = None
-    name: str = ''  # the key in the report's SECTIONS: 'env', 'plan', 'training', 'loader', 'bench'
+    name: str = ''  # the key in the report's SECTIONS: 'env', 'plan', 'predict', 'training', 'loader', 'bench'
 
 def fig_ref(name:str) -> str:
     "Where a section's figure `name` goes in its Markdown (an image in the files, nothing in a notebook)"
@@ -189,10 +189,12 @@ class Summary:
     number_format_why: str
     next_steps: list    # (what, command or code)
     missing: dict       # section name -> 'not run' or 'failed (...)'
+    predictions: str = ''  # how far the step-time model held here (the predict section), if it ran
 
     def to_dict(self): return asdict(self)
     def _lines(self):
         lines = [('Input', self.input), ('Number format', self.number_format_why)]
+        if self.predictions: lines.append(('Predicted step times', self.predictions))
         if self.missing: lines.append(('Not measured', ', '.join(f"{k} section {v}" for k, v in self.missing.items())))
         return lines
     def _repr_markdown_(self):
@@ -205,7 +207,7 @@ class Summary:
         out += [f"{k}: {v}" for k, v in self._lines()] + ['Next steps:']
         return '\n'.join(out + [f"  {i}. {w}: {c}" for i, (w, c) in enumerate(self.next_steps, 1)])
 
-def summarize_sections(data:dict,  # section name -> its data dict ('env', 'plan', 'training', 'loader', 'bench')
+def summarize_sections(data:dict,  # section name -> its data dict ('env', 'plan', 'predict', 'training', ...)
                        errors:dict|None=None,  # section name -> error message, for sections that failed
                       ) -> Summary:
     "What to do, consistent with what the sections measured; missing sections are said to be missing"
@@ -217,7 +219,16 @@ def summarize_sections(data:dict,  # section name -> its data dict ('env', 'plan
     fmt, fmt_why = _number_format(data.get('bench'), missing)
     n = (data.get('training') or {}).get('nprocs', 2)
     return Summary(strategy, why, bound, text, settings, fmt, fmt_why,
-                   _next_steps(strategy, n, bound, settings, fmt, data, missing), missing)
+                   _next_steps(strategy, n, bound, settings, fmt, data, missing), missing, _predictions(data))
+
+def _predictions(data) -> str:
+    "One sentence on how far the step-time model held here, from the predict section's rows; '' without them"
+    rows = [r for r in (data.get('predict') or {}).get('rows', []) if r['ranks'] <= 2]
+    if not rows: return ''
+    worst = max(rows, key=lambda r: abs(r['error']))
+    mean = sum(abs(r['error']) for r in rows) / len(rows)
+    return (f"within {mean:.0%} of the measured steps on average over {len(rows)} layouts on this machine "
+            f"(largest: {worst['layout']} on {worst['ranks']} rank{'s' * (worst['ranks'] > 1)}, {worst['error']:+.0%})")
 
 # %% ../../nbs/08_reporting.document.ipynb #be879ec1
 _CSS = """

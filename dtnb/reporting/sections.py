@@ -16,7 +16,7 @@ from ..core.logs import get_logger
 
 # %% auto #0
 __all__ = ['STRATEGY_RUNS', 'SECTIONS', 'load_spec', 'token_cross_entropy', 'Task', 'env_section', 'plan_section',
-           'training_section', 'loader_section', 'bench_section', 'report']
+           'training_section', 'loader_section', 'bench_section', 'predict_section', 'report']
 
 # %% ../../nbs/08a_reporting.sections.ipynb #0a3137dd
 def load_spec(spec, what:str='--model'):
@@ -286,9 +286,22 @@ def bench_section(quick=True, **_) -> Section:
     md = '\n\n'.join(map(_bench_md, results))
     return Section('Benchmarks', md, '\n\n'.join(map(str, results)), {r.kind: r.to_dict() for r in results}, figs)
 
+# %% ../../nbs/08a_reporting.sections.ipynb #39153a57
+def predict_section(quick=True, nprocs=2, **_) -> Section:
+    "dtnb's step-time model beside measured steps here: each layout predicted from parts measured apart, then run"
+    from dtnb.bench.validate import validate, DEFAULT_LAYOUTS
+    from dtnb.plan.memory import TransformerShape
+    shape = TransformerShape(layers=2, hidden=128, heads=4, seq_len=64, batch=4) if quick else None  # ~10 s
+    v = validate(shape, (1, nprocs) if nprocs in DEFAULT_LAYOUTS and nprocs > 1 else (1,),
+                 steps=6 if quick else 8, seconds=1.5 if quick else 4.0)
+    intro = ("How far dtnb's step-time model holds on this machine: each layout predicted from parts measured apart "
+             "(the ranks' compute, the wrapper's communication, each activation collective, the pipeline's bubble), "
+             "then run, on a small transformer (`dtnb predict --validate` for your shape).")
+    return Section('Predicted against measured', f"{intro}\n\n{v._repr_markdown_()}", f"{intro}\n{v}", v.to_dict())
+
 # %% ../../nbs/08a_reporting.sections.ipynb #56492c55
-SECTIONS = dict(env=env_section, plan=plan_section, training=training_section, loader=loader_section,
-                bench=bench_section)  # name: the function returning that Section
+SECTIONS = dict(env=env_section, plan=plan_section, predict=predict_section, training=training_section,
+                loader=loader_section, bench=bench_section)  # name: the function returning that Section
 
 def _run_section(name, fn, **kw):
     t = time.perf_counter()
