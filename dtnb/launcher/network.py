@@ -250,14 +250,13 @@ class PeerWatch:
         self.me = dict(rank=rank, host=socket.gethostname(), addr=address or advertised_address())
         self.peers, self.heard, self.n, self.verdict, self.store, self._ok, self.error = {}, {}, 0, None, None, None, ''
 
-        self._stop, self._lock, self._threads, self._known = threading.Event(), threading.Lock(), [], threading.Event()
+        self._stop, self._lock, self._threads = threading.Event(), threading.Lock(), []
 
     def start(self):
         "Beat and read in one thread; in another, stop the job when the first cannot reach the store for `timeout` s"
         self._threads = [threading.Thread(target=f, args=(self,), name=n, daemon=True)
                          for f, n in ((_beat_loop, 'dtnb-peer-beat'), (_guard_loop, 'dtnb-peer-guard'))]
         for t in self._threads: t.start()
-        self._known.wait(min(5.0, self.timeout))  # every peer's record read once: a loss can name who it was
         return self
 
     def _beat(self, state='running', doing=None):
@@ -310,14 +309,13 @@ def _beat_loop(w:PeerWatch):
     while not w._stop.is_set():
         if w.store is None:
             try: w.store = _store_client(w.store_addr, w.store_port, max(2.0, w.timeout / 2))
-            except Exception: w._stop.wait(w.period); continue
+            except Exception: w._stop.wait(min(w.period, 0.2)); continue  # the store comes with the group
             w._ok = w._ok or time.monotonic()
         try: err = _read_peers(w)
         except Exception as e:  # a failed or timed-out call leaves the connection out of step: connect again
             err, w.store, w.error = None, None, str(e).strip().splitlines()[0][:200]  # the guard judges the time
         if err is not None: return _declare(w, err)
-        if len(w.peers) >= w.world - 1: w._known.set()
-        w._stop.wait(w.period if w._known.is_set() else min(w.period, 0.2))  # until every peer is known: soon
+        w._stop.wait(w.period if len(w.peers) >= w.world - 1 else min(w.period, 0.2))  # every peer known soon
 
 def _guard_loop(w:PeerWatch):
     "Declare the store's host lost when no round has succeeded for `w.timeout` s (a round may block for ever)"
