@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/bench.validate.html.md"""
 
 # %% ../../nbs/07e_bench.validate.ipynb #c01b6fc5
 from __future__ import annotations
-import json, platform, statistics, time, warnings
+import platform, statistics, time, warnings
 from dataclasses import dataclass, field
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.distributed as dist
