@@ -18,7 +18,7 @@ def train_func(config):
     import torch, torch.distributed as dist
     from dtnb.core.dist import world_size
     from dtnb.core.models import ToyModel, toy_data
-    from dtnb.detection.env import parse_launch_env
+    from dtnb.core.env import parse_launch_env
     from dtnb.launcher.processes import init_distributed, shutdown
     from dtnb.parallel.ddp import distributed_loader
     from dtnb.parallel.wrap import wrap

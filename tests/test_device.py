@@ -2,7 +2,7 @@
 import json, subprocess, sys, time
 import pytest
 from dtnb.detection.device import detect
-from dtnb.detection.env import parse_launch_env, LaunchEnvError, expand_nodelist
+from dtnb.core.env import parse_launch_env, LaunchEnvError, expand_nodelist
 from dtnb.core.specs import capability_features, peak_tflops
 
 

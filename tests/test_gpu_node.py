@@ -29,9 +29,9 @@ NOTEBOOKS = sorted((ROOT / 'nbs').glob('*.ipynb')) + sorted((ROOT / 'nbs' / 'tut
 # Notebooks that run unpinned: none of their untagged cells starts ranks or places work through dtnb's device choice
 # (run.sh runs them as they are; the pinned ones under the one-GPU stand-in). A new notebook is pinned or listed here.
 UNPINNED = {
-    '01_detection.env': "reads launch environments: no device", '00a_core.specs': "device spec tables: no device",
+    '00a_core.env': "reads launch environments: no device", '00a_core.specs': "device spec tables: no device",
     '00_core.utils': "defines the pin; shows this machine's own devices",
-    '01a_detection.device': "detection: what this machine has",
+    '01_detection.device': "detection: what this machine has",
     '00c_core.models': "model definitions, run where they are built",
     '00d_core.logs': "log records and warnings: no device",
     '05h_train.trackers': "tracker callbacks and an import error: no device (the runs: tests/test_trackers.py)",

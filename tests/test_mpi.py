@@ -5,7 +5,7 @@ import json, os, random, shutil, socket, subprocess, sys, time
 from pathlib import Path
 import pytest
 from conftest import cpu_env
-from dtnb.detection.env import parse_launch_env
+from dtnb.core.env import parse_launch_env
 from dtnb.launcher.processes import init_distributed, free_port
 
 pytestmark = pytest.mark.usefixtures('cpu_ranks')

@@ -1,7 +1,7 @@
 """Preemption: a SIGTERM sent to `dtnb launch` (what a scheduler or `kill` sends) goes through torchrun to the ranks;
 fit stops them at the next log step with a checkpoint of that step, nothing is left running, and the rerun resumes there
 and ends bitwise where an uninterrupted run ends. SLURM's SIGUSR1 and requeue are in tests/test_slurm.py; one process
-and two `launch` ranks in nbs/05f_train.callbacks.ipynb. CPU ranks on gloo (`cpu_ranks`); real processes and signals."""
+and two `launch` ranks in nbs/05e_train.callbacks.ipynb. CPU ranks on gloo (`cpu_ranks`); real processes and signals."""
 import json, signal, subprocess, sys, time
 from pathlib import Path
 import pytest, psutil

@@ -7,7 +7,7 @@ Docs: https://dtnb-dev.github.io/dtnb/core.dist.html.md"""
 # %% ../../nbs/00b_core.dist.ipynb #86fa4028
 from __future__ import annotations
 import contextlib
-from ..detection.env import parse_launch_env
+from .env import parse_launch_env
 from .utils import accelerators
 
 # %% auto #0

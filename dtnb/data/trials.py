@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from ..core.utils import fmt_bytes
 from ..detection.device import usable_cores
-from ..detection.env import parse_launch_env
+from ..core.env import parse_launch_env
 from ..core.dist import rank_world
 from .loaders import (guard, batch_stats, empty_loader_error, sample_error, stop_workers, fmt_settings,
                                plural)

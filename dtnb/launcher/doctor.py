@@ -9,7 +9,7 @@ from __future__ import annotations
 import os, json, time, errno, socket, shutil, platform, datetime, ipaddress, contextlib, statistics
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
-from ..detection.env import parse_launch_env, LaunchEnv
+from ..core.env import parse_launch_env, LaunchEnv
 from ..core.utils import fmt_bytes
 from .network import advertised_address, socket_ifname_env, check_advertised
 

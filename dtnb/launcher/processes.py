@@ -13,7 +13,7 @@ import multiprocessing as mp
 from multiprocessing.connection import wait as _wait
 from ..detection.device import usable_cores, fork_hazards
 from .starts import choose_start_method, fork_server, unguarded_script, main_left_out
-from ..detection.env import parse_launch_env, LaunchEnvError, restart_hazard
+from ..core.env import parse_launch_env, LaunchEnvError, restart_hazard
 from .failures import LaunchError, report_failure
 from .network import prepare_network, start_peer_watch, stop_peer_watch
 from .hangs import enable_flight_recorder
