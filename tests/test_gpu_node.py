@@ -34,6 +34,7 @@ UNPINNED = {
     '01_detection.device': "detection: what this machine has",
     '00c_core.models': "model definitions, run where they are built",
     '00d_core.logs': "log records and warnings: no device",
+    '00e_core.batches': "a batch's loss on CPU tensors in this process: no ranks, no device choice",
     '05h_train.trackers': "tracker callbacks and an import error: no device (the runs: tests/test_trackers.py)",
     '02_launcher.failures': "error reports: no device",
     '09_debug.divergence': "the causes' rules on tables written by hand: no ranks, no device",
@@ -102,6 +103,7 @@ UNPINNED_TESTS = {
                          "itself where a GPU is",
     'test_gpu_node.py': "this module: GPU rules on the stand-in", 'test_site.py': "the docs site in a browser",
     'test_ops.py': "steps traced on meta tensors and priced: no ranks, no device",
+    'test_stages.py': "reads the modules' imports: nothing runs",
 }
 TEST_MODULES = sorted((ROOT / 'tests').glob('test_*.py'))
 

@@ -10,7 +10,8 @@ import gc, math, statistics
 from pathlib import Path
 import torch
 from ..detection.device import detect
-from ..core.utils import DTYPES, dtype_name, autocast, progress_bar
+from ..core.utils import DTYPES, dtype_name, autocast, progress_bar, tensors, to_device
+from ..core.batches import BatchLoss, forward_loss, split_batch
 from .compute import (BenchResult, time_fn, summarize_times, resolve_device, device_info, throughput_unit,
                         bench_matmul, bench_memory)
 from .collectives import bench_collectives
@@ -20,12 +21,11 @@ __all__ = ['PRICE_EXAMPLES', 'BENCHMARKS', 'default_loss', 'step_flops', 'mfu', 
            'predict_sync_seconds', 'scaling_rank', 'bench_scaling', 'cost_per_experiment', 'bench_all']
 
 # %% ../../nbs/07b_bench.throughput.ipynb #169c2970
-def _split(batch):
-    "(inputs, targets) from a batch given as a tensor or an (inputs, targets) pair"
-    if isinstance(batch, torch.Tensor): return batch, None
-    if isinstance(batch, (tuple, list)) and len(batch) == 2: return batch[0], batch[1]
-    raise ValueError(f"batch must be a tensor or an (inputs, targets) pair, got a {type(batch).__name__}"
-                     + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ''))
+def _inputs(model, batch, how:BatchLoss):
+    "The first tensor `model` is fed from `batch` (as `core.batches` splits it; with a `step_fn`, the batch's first)"
+    if how.step_fn is not None: return tensors(batch)[0]
+    (args, kwargs), _ = split_batch(model, batch, how.keys, how.loss_fn)
+    return tensors((args, kwargs))[0]
 
 def default_loss(out, y):
     "Cross-entropy for integer targets, mean squared error for float ones, the mean output when there are none"
@@ -37,21 +37,30 @@ def _autocast(device, amp):
     "Autocast to the dtype `amp` names ('bf16', 'fp16'); nothing when None"
     return autocast(device, f"{amp}-mixed" if amp else None)
 
-def _train_step(model, opt, loss_fn, x, y, amp, device):
+def _loss(model, batch, how:BatchLoss):
+    "The loss of `batch` as `fit` computes it (`core.batches`), with `default_loss` where `fit` would need a loss_fn"
+    return forward_loss(model, batch, how, default=default_loss)[0]
+
+def _batch_step(model, opt, how, batch, amp, device):
     "One optimizer step: forward (under autocast to `amp` when given), backward, update"
     opt.zero_grad(set_to_none=True)
-    with _autocast(device, amp): loss = loss_fn(model(x), y)
+    with _autocast(device, amp): loss = _loss(model, batch, how)
     loss.backward(); opt.step()
     return loss
 
+def _train_step(model, opt, loss_fn, x, y, amp, device):
+    "`_batch_step` on inputs `x` and targets `y` (None: `x` alone), for callers that hold them apart"
+    return _batch_step(model, opt, BatchLoss.of(loss_fn), x if y is None else (x, y), amp, device)
+
 # %% ../../nbs/07b_bench.throughput.ipynb #6b615d17
 def step_flops(model, batch, loss_fn=None,
-               amp:str|None=None) -> int:  # autocast dtype: 'bf16' or 'fp16'
+               amp:str|None=None,  # autocast dtype: 'bf16' or 'fp16'
+               step_fn=None, keys=None) -> int:  # how a batch becomes a loss, as in `fit` (`BatchLoss`)
     "FLOPs of one training step of `model` on `batch`, forward and backward, counted by `torch.utils.flop_counter`"
     from torch.utils.flop_counter import FlopCounterMode
-    x, y = _split(batch); dev = next(model.parameters()).device
+    how, dev = BatchLoss.of(loss_fn, step_fn, keys), next(model.parameters()).device
     with FlopCounterMode(display=False) as fc:
-        with _autocast(dev, amp): loss = (loss_fn or default_loss)(model(x), y)
+        with _autocast(dev, amp): loss = _loss(model, batch, how)
         loss.backward()
     model.zero_grad(set_to_none=True)
     return fc.get_total_flops()
@@ -101,23 +110,24 @@ def _model_summary(bs, tps, st, flops, name, info, measured, device):
     return out
 
 # %% ../../nbs/07b_bench.throughput.ipynb #d0e0a18c
-def bench_model(model, batch,                  # a tensor, or an (inputs, targets) pair
-                loss_fn=None,                  # loss_fn(output, targets); default `default_loss`
+def bench_model(model, batch,                  # (inputs, targets), a tensor of inputs or a dict (`core.batches`)
+                loss_fn=None,                  # loss_fn(output, targets); default: the model's .loss, `default_loss`
                 optimizer=None,                # default SGD(lr=1e-4)
                 steps:int=20, warmup:int=3,
                 amp:str|None=None,             # autocast dtype: 'bf16' or 'fp16' (None: no autocast)
                 tokens:int|bool|None=None,     # tokens per sample; default: sequence length of integer inputs
                 matmul_peak:float|BenchResult|None=None,  # measured matmul TFLOPS, or a `bench_matmul` result
-                device=None) -> BenchResult:
+                device=None,
+                step_fn=None, keys=None) -> BenchResult: # how a batch becomes a loss, as in `fit` (`BatchLoss`)
     "Training samples/s (tokens/s), step-time distribution, FLOPs per step and MFU against spec and measured peaks"
     report = detect(); device = resolve_device(device); info = device_info(report, device)
     if amp not in (None, 'bf16', 'fp16'): raise ValueError(f"amp must be None, 'bf16' or 'fp16', got {amp!r}")
-    x, y = (None if t is None else t.to(device) for t in _split(batch))
-    model = model.to(device); loss_fn = loss_fn or default_loss
+    how, batch, model = BatchLoss.of(loss_fn, step_fn, keys), to_device(batch, device), model.to(device)
+    x = _inputs(model, batch, how)
     opt = optimizer or torch.optim.SGD(model.parameters(), lr=1e-4)
     name = _compute_dtype(model, amp, device)
-    flops = step_flops(model, (x, y), loss_fn, amp)
-    times = time_fn(lambda i: _train_step(model, opt, loss_fn, x, y, amp, device), device, steps, warmup)
+    flops = step_flops(model, batch, how, amp)
+    times = time_fn(lambda i: _batch_step(model, opt, how, batch, amp, device), device, steps, warmup)
     st, peak = summarize_times(times), _measured_peak(matmul_peak, name, device)
     summary = _model_summary(x.shape[0], _tokens_per_sample(x, tokens), st, flops, name, info, peak, device)
     rows = [dict(stat=k, ms=st[k] * 1e3) for k in ('min', 'p10', 'median', 'mean', 'p90', 'max')]
@@ -151,9 +161,9 @@ def scaling_rank(model_fn, batch, strategy:str='ddp', steps:int=10, warmup:int=3
     if n > 1:
         from dtnb.parallel.wrap import wrap
         model = wrap(model, strategy)
-    x, y = (None if t is None else t.to(device) for t in _split(batch))
-    opt, loss_fn = torch.optim.SGD(model.parameters(), lr=1e-4), loss_fn or default_loss
-    step = lambda i: _train_step(model, opt, loss_fn, x, y, amp, device)
+    how, batch = BatchLoss.of(loss_fn), to_device(batch, device)
+    opt, x = torch.optim.SGD(model.parameters(), lr=1e-4), _inputs(model, batch, how)
+    step = lambda i: _batch_step(model, opt, how, batch, amp, device)
     synced, local = statistics.median(time_fn(step, device, steps, warmup)), None
     if n > 1 and strategy == 'ddp':
         with model.no_sync(): local = statistics.median(time_fn(step, device, steps, warmup))
@@ -211,7 +221,7 @@ def bench_scaling(model_fn,    # builds a fresh model in each rank (a function i
         bw, size = _busbw_at(busbw, res[0]['grad_bytes'], n, timeout) if n > 1 else (None, None)
         rows.append(_scaling_row(n, res, base, strategy, bw, size)); base = base or rows[0]
     cfg = dict(nprocs=nprocs, strategy=strategy, steps=steps, warmup=warmup, amp=amp,
-               batch=list(_split(batch)[0].shape), threads_per_rank=threads)
+               batch=list(tensors(batch)[0].shape), threads_per_rank=threads)
     return BenchResult.create('scaling', rows, _SCALE_COLS, _scaling_summary(strategy, rows[-1]),
                               report.recommended['device'], cfg, report=report)
 

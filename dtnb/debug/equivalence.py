@@ -16,7 +16,8 @@ from ..launcher.processes import launch
 from ..parallel.ddp import make_optimizer
 from ..parallel.wrap import wrap, STRATEGIES
 from ..parallel.pipeline import Pipeline
-from ..train.batches import BatchLoss, count_samples
+from ..core.batches import BatchLoss
+from ..train.batches import count_samples
 from .divergence import Cause, StrategyCheck, EquivalenceReport, tied_causes, rerun_causes
 
 # %% auto #0

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from ..core.utils import synchronize, cache
 from ..core.dist import require_group, broadcast_from_rank0, current_device
-from .pipeline_split import PipelineSplit, split_model, stage_module, chain_problem, trace_stages, output_logits
+from .pipeline_split import PipelineSplit, split_model, stage_module, chain_problem, trace_stages
+from ..core.batches import output_logits
 from .pipeline_schedules import SCHEDULES, schedule_name, schedule_order, stage_ranks, PipelineTimeline
 
 # %% auto #0

@@ -12,10 +12,11 @@ import torch
 from torch import nn
 from ..core.utils import md_table, text_table, synchronize
 from ..core.models import find_blocks
+from ..core.batches import output_logits
 
 # %% auto #0
 __all__ = ['pipeline_units', 'Skip', 'stage_module', 'balance_bounds', 'unit_times', 'PipelineSplit', 'split_model',
-           'output_logits', 'chain_problem', 'check_split', 'TracedStages', 'trace_stages', 'traced_stage_tensors']
+           'chain_problem', 'check_split', 'TracedStages', 'trace_stages', 'traced_stage_tensors']
 
 # %% ../../nbs/03b_parallel.pipeline_split.ipynb #80c754c3
 def _as_tuple(x): return tuple(x) if isinstance(x, (tuple, list)) else (x,)
@@ -262,11 +263,6 @@ def _stages_differ(model, split, example, atol) -> str|None:
 def _max_diff(a, b):
     a, b = _as_tuple(output_logits(a)), _as_tuple(output_logits(b))
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True) if torch.is_tensor(x))
-
-def output_logits(out):
-    "The logits of a Hugging Face-style output (`.logits`, or a dict's 'logits'); any other output as it is"
-    if isinstance(out, dict) and 'logits' in out: return out['logits']
-    return out if torch.is_tensor(out) or not hasattr(out, 'logits') else out.logits
 
 def chain_problem(model:nn.Module, split:PipelineSplit, example=None, atol:float=1e-5) -> str|None:
     "Why `model` cut at `split` does not run as a chain of stages (None when it does, as far as `example` shows)"

@@ -6,33 +6,24 @@ Docs: https://dtnb-dev.github.io/dtnb/plan.activations.html.md"""
 
 # %% ../../nbs/04_plan.activations.ipynb #b691f9d5
 from __future__ import annotations
-import contextlib, inspect
+import contextlib
 from dataclasses import dataclass
 import torch
+from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call runs the model in
 from ..core.utils import PRECISIONS, DEFAULT_PRECISION, check_precision, tree_map_tensors, tensors, autocast
 from ..core.utils import cast_inputs
 from ..core.models import find_blocks
+from ..core.batches import BatchLoss, forward_loss, stand_in_loss
 
 # %% auto #0
-__all__ = ['takes_labels', 'forward_batch', 'ActivationTrace', 'SavedCounter', 'trace_activations']
+__all__ = ['measured_loss', 'ActivationTrace', 'SavedCounter', 'trace_activations']
 
 # %% ../../nbs/04_plan.activations.ipynb #dc60df92
-def takes_labels(model) -> bool:
-    "Whether `model` (or the module a wrapper holds) computes its own loss from a `labels` argument (Hugging Face)"
-    m = getattr(model, 'module', model)
-    try: return 'labels' in inspect.signature(m.forward).parameters
-    except (TypeError, ValueError): return False
-
-def forward_batch(model, batch, loss_fn=None, params=None):
-    "Run `model` on `batch` (tensor, tuple or dict; the tuple's last item is the target when `loss_fn` is given)"
-    call = model if params is None else (lambda *a, **k: torch.func.functional_call(model, params, a, k))
-    if isinstance(batch, dict): return call(**batch)
-    if isinstance(batch, (list, tuple)):
-        if loss_fn is None and len(batch) == 2 and takes_labels(model): return call(batch[0], labels=batch[1])
-        if loss_fn is None: return call(*batch)
-        return loss_fn(call(*batch[:-1]), batch[-1])
-    out = call(batch)
-    return out if loss_fn is None else loss_fn(out)
+def measured_loss(model, batch, how:BatchLoss|None=None, params=None):
+    "(loss, predictions, targets) of `batch` as `fit` computes them, the output's sum without a loss (`stand_in_loss`)"
+    if params is None: return forward_loss(model, batch, how, default=stand_in_loss)
+    with _reparametrize_module(model, params, tie_weights=True):  # the fake parameters, as functional_call runs them
+        return forward_loss(model, batch, how, default=stand_in_loss)
 
 # %% ../../nbs/04_plan.activations.ipynb #f72977e9
 @dataclass
@@ -131,18 +122,19 @@ def _prepare(model, batch, precision, fake):
 
 # %% ../../nbs/04_plan.activations.ipynb #519ed8dd
 def trace_activations(model, # an `nn.Module`; it is not changed, and nothing of its size is allocated
-                      batch, # an example batch per device: tensor, tuple (last item the target with `loss_fn`) or dict
-                      loss_fn=None, # `loss_fn(output, target)`; without it the output is the end of the graph
+                      batch, # an example batch per device: (inputs, targets), inputs alone, or a dict (`core.batches`)
+                      loss_fn=None, # `loss_fn(output, target)`; without it the model's own loss, else as `fit` does
                       precision:str=DEFAULT_PRECISION, # a name of `PRECISIONS`: 'fp32', 'bf16-mixed', 'bf16-true', ...
                       units=None, # module classes (or names) to recompute; default: `find_blocks(model)`
                       fake:bool=True, # trace under FakeTensorMode (no memory); False runs the real forward
+                      step_fn=None, keys=None, # how a batch becomes a loss, as in `fit` (`BatchLoss`)
                      ) -> ActivationTrace:
     "Bytes of activations the forward of `model` on `batch` keeps for backward, traced without allocating them"
-    precision = check_precision(precision)
+    precision, how = check_precision(precision), BatchLoss.of(loss_fn, step_fn, keys)
     mode, ps, b = _prepare(model, batch, precision, fake)
     dev = next((p.device.type for p in model.parameters() if not p.is_meta), 'cpu')
     with mode, autocast(dev, precision), SavedCounter(model, units, {_sid(t) for t in ps.values()}) as counter:
-        out = forward_batch(model, b, loss_fn, ps)
+        out = measured_loss(model, b, how, ps)
     res = counter.result(fake=fake)
     del out
     return res

@@ -12,7 +12,8 @@ import torch
 from ..core.utils import tree_map_tensors, tensors, autocast, synchronize, parse_size, fmt_bytes, md_table, text_table
 from ..core.utils import accelerators, cast_inputs, DEFAULT_PRECISION
 from ..detection.device import detect
-from .activations import forward_batch
+from ..core.batches import BatchLoss
+from .activations import measured_loss
 from .memory import check_setup, estimate_memory
 from .recommend import device_memory
 
@@ -106,14 +107,13 @@ def _estimate_path(model, sample, est_kw, budget, max_batch):
 # %% ../../nbs/04d_plan.batch_size.ipynb #7c4bc543
 def _step_bytes(model, opt, sample, n, dev, precision, loss_fn):
     "Peak bytes allocated by one training step on a batch of `n` on `dev`, or None when it ran out of memory"
-    from dtnb.plan.measure import loss_of
     acc, batch, loss = torch.accelerator, None, None
     try:
         batch = batch_of(sample, n, dev)
         if precision == 'bf16-true':
             batch = cast_inputs(batch, torch.bfloat16)  # as fit feeds a bf16 model: targets keep their dtype
         synchronize(dev); acc.reset_peak_memory_stats()
-        with autocast(dev, precision): loss = loss_of(forward_batch(model, batch, loss_fn))
+        with autocast(dev, precision): loss = measured_loss(model, batch, loss_fn)[0]  # loss_fn: a BatchLoss
         loss.backward(); opt.step()
         synchronize(dev)
         return acc.max_memory_allocated()
@@ -166,15 +166,17 @@ def find_batch_size(model,                  # the nn.Module to train (not change
                     world_size:int=1,       # devices the model is trained on
                     optimizer:str='adamw',
                     precision:str=DEFAULT_PRECISION,   # 'fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true'
-                    loss_fn=None,           # loss_fn(output, target) with (x, y) samples; else the output is summed
+                    loss_fn=None,           # loss_fn(output, target); default: as `fit`, without targets the sum
                     memory=None,            # bytes per device (or '64MB'); default: accelerator, else RAM ÷ ranks
                     activation_checkpointing:bool=False,  # activation checkpointing of each block (estimate)
                     units=None,             # the model's blocks (default: find_blocks)
                     max_batch:int=65536,    # largest batch considered
                     method:str|None=None,   # 'estimate', 'try'; default: try on an accelerator for one device
+                    step_fn=None, keys=None, # how a batch becomes a loss, as in `fit` (`BatchLoss`)
                    ) -> BatchSize:
     "The largest per-device batch that fits: estimated without an accelerator, tried (out of memory caught) on one"
     s, optimizer, precision = check_setup(strategy, world_size, optimizer, precision)
+    loss_fn = BatchLoss.of(loss_fn, step_fn, keys)  # the three as one, to the estimate and the tried steps
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch={max_batch!r} must be a whole number >= 1")
     sample, (how, note) = _check_sample(sample), _method(method, s, world_size)

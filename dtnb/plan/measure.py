@@ -10,21 +10,21 @@ import copy, functools, gc
 from dataclasses import dataclass
 import torch
 import torch.distributed as dist
-from ..core.utils import tensors, to_device, autocast, synchronize, md_table, text_table, cast_inputs
+from ..core.utils import to_device, autocast, synchronize, md_table, text_table, cast_inputs
 from ..core.utils import DEFAULT_PRECISION
 from ..launcher.processes import launch
 from ..core.dist import current_device, rank_world
 from ..parallel.ddp import make_optimizer
 from ..parallel.wrap import wrap
-from .activations import SavedCounter, forward_batch, trace_activations, takes_labels
+from .activations import SavedCounter, measured_loss, trace_activations
 from .memory import check_setup, estimate_memory
 from ..parallel.pipeline import apply_pipeline, step_batch, Pipeline, causal_lm_loss
-from ..parallel.pipeline_split import output_logits
+from ..core.batches import BatchLoss, output_logits, takes_labels
 from ..parallel.tensor import Degrees, parallelize
 from .memory import tp_local
 
 # %% auto #0
-__all__ = ['MEASURABLE', 'named_optimizer', 'loss_of', 'MemoryMeasurement', 'measure_memory']
+__all__ = ['MEASURABLE', 'named_optimizer', 'MemoryMeasurement', 'measure_memory']
 
 # %% ../../nbs/04c_plan.measure.ipynb #502f4796
 MEASURABLE = ('single', 'ddp', 'zero1', 'zero2', 'zero3', 'pipeline')  # run on torch's implementations
@@ -51,14 +51,8 @@ def _apply_strategy(model, strategy, units):
     if strategy in ('zero2', 'zero3'): return wrap(model, strategy, layer_cls=units)
     return wrap(model, strategy)
 
-def loss_of(out):
-    "A scalar to call backward on: the output itself, its `.loss`, or the sum of the first tensor"
-    out = out.get('loss', out) if isinstance(out, dict) else getattr(out, 'loss', out)  # HF outputs are dicts too
-    out = out if isinstance(out, torch.Tensor) else tensors(out)[0]
-    return out if out.dim() == 0 else out.float().sum()
-
 # %% ../../nbs/04c_plan.measure.ipynb #480b4190
-def _measure_step(model, batch, strategy, optimizer, precision, loss_fn, units, lr):
+def _measure_step(model, batch, strategy, optimizer, precision, how, units, lr):
     "One real training step on this rank; returns the measured bytes per component"
     dev = current_device()
     acc = torch.accelerator if dev.type != 'cpu' else None
@@ -66,19 +60,19 @@ def _measure_step(model, batch, strategy, optimizer, precision, loss_fn, units, 
     if precision == 'bf16-true':
         model = model.to(torch.bfloat16)
         batch = cast_inputs(batch, torch.bfloat16)  # as fit feeds a bf16 model: targets keep their dtype
-    if strategy == 'pipeline': return _measure_pipeline(model, batch, optimizer, loss_fn, lr, dev, acc and m0)
+    if strategy == 'pipeline': return _measure_pipeline(model, batch, optimizer, how.loss_fn, lr, dev, acc and m0)
     model = _apply_strategy(model, strategy, units)
-    return _step_bytes(model, named_optimizer(model, optimizer, lr), batch, precision, loss_fn, units, dev,
+    return _step_bytes(model, named_optimizer(model, optimizer, lr), batch, precision, how, units, dev,
                        acc and m0)
 
-def _step_bytes(model, opt, batch, precision, loss_fn, units, dev, m0):
+def _step_bytes(model, opt, batch, precision, how, units, dev, m0):
     "Forward, backward and `opt.step()` of the wrapped `model` on `batch`; the bytes it holds per component"
     acc = torch.accelerator if m0 is not None else None
     batch = to_device(batch, dev)
     if acc: m1 = acc.memory_allocated()
     local = [p.to_local() if hasattr(p, 'to_local') else p for p in [*model.parameters(), *model.buffers()]]
     with autocast(dev, precision), SavedCounter(model, units, {t.untyped_storage()._cdata for t in local}) as counter:
-        loss = loss_of(forward_batch(model, batch, loss_fn))
+        loss = measured_loss(model, batch, how)[0]  # as fit computes it (`core.batches`), or the output's sum
     saved = counter.result(exclude=list(model.parameters())).saved  # FSDP may keep the root's gathered parameters
     acts = acc.memory_allocated() - m1 if acc else saved
     loss.backward(); opt.step()
@@ -134,7 +128,7 @@ def _pipeline_bytes(pipe, batch, optimizer, lr, dev, m0):
     return out
 
 # %% ../../nbs/04c_plan.measure.ipynb #1d61b8ab
-def _layout_step(model, batch, degrees, optimizer, precision, loss_fn, units, lr):
+def _layout_step(model, batch, degrees, optimizer, precision, how, units, lr):
     "One real step of `parallelize(model, degrees)` on this rank; the bytes it holds per component"
     dev = current_device()
     m0 = None
@@ -143,10 +137,10 @@ def _layout_step(model, batch, degrees, optimizer, precision, loss_fn, units, lr
     model = copy.deepcopy(model)
     if precision == 'bf16-true': model, batch = model.to(torch.bfloat16), cast_inputs(batch, torch.bfloat16)
     ex = _pipeline_example(batch, degrees.pp) if degrees.pp_enabled else None  # checks the cut; traces a non-chain
-    lf = _stage_loss(model, loss_fn) if degrees.pp_enabled else loss_fn
+    lf = _stage_loss(model, how.loss_fn) if degrees.pp_enabled else how.loss_fn
     m = parallelize(model, degrees, lf, layer_cls=units, device=dev, example=ex)
     if isinstance(m, Pipeline): return _pipeline_bytes(m, batch, optimizer, lr, dev, m0)
-    return _step_bytes(m, named_optimizer(m, optimizer, lr), batch, precision, loss_fn, units, dev, m0)
+    return _step_bytes(m, named_optimizer(m, optimizer, lr), batch, precision, how, units, dev, m0)
 
 def _layouts_step(model, batch, layouts, *args):
     "`_layout_step` for each of `layouts` in turn, in one launch"
@@ -188,52 +182,56 @@ class MemoryMeasurement:
 
 # %% ../../nbs/04c_plan.measure.ipynb #99db500d
 def measure_memory(model, # the `nn.Module` to train one step (a copy is trained: `model` is left as it is)
-                   batch, # example batch per device: tensor, tuple (last item the target with `loss_fn`) or dict
+                   batch, # example batch per device: (inputs, targets), inputs alone or a dict (`core.batches`)
                    strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp') or 'pipeline'
                    world_size:int=1, # ranks to launch (1: in this process)
                    optimizer:str='adamw',
                    precision:str=DEFAULT_PRECISION, # 'fp32', 'bf16-mixed', 'fp16-mixed' (autocast) or 'bf16-true'
-                   loss_fn=None, # `loss_fn(output, target)`; without it the output (or its `.loss`) is summed
+                   loss_fn=None, # `loss_fn(output, target)`; default: the model's `.loss`, else as `fit`, else the sum
                    units=None, # module classes to shard and checkpoint as units (default: `find_blocks`)
                    lr:float=1e-3, timeout:float|None=300, # seconds before the ranks are stopped
                    degrees:Degrees|list|None=None, # a `parallelize` layout (or a list, run in one launch) instead
+                   step_fn=None, keys=None, # how a batch becomes a loss, as in `fit` (`BatchLoss`)
                   ) -> MemoryMeasurement|list:
     "Run one real training step and put the measured bytes per component beside the estimate, for each rank"
+    how = BatchLoss.of(loss_fn, step_fn, keys)
     if degrees is not None:
-        return _measure_layouts(model, batch, strategy, world_size, degrees, optimizer, precision, loss_fn, units, lr,
+        return _measure_layouts(model, batch, strategy, world_size, degrees, optimizer, precision, how, units, lr,
                                 timeout)
     s, optimizer, precision = check_setup(strategy, world_size, optimizer, precision)
     if s not in MEASURABLE:
         raise ValueError(f"measure_memory runs wrap's strategies, {', '.join(map(repr, MEASURABLE))}, not {s!r}")
-    if s == 'pipeline' and (world_size < 2 or precision not in ('fp32', 'bf16-true') or loss_fn is None):
+    if s == 'pipeline' and (world_size < 2 or precision not in ('fp32', 'bf16-true') or how.loss_fn is None
+                            or how.step_fn or how.keys):
         raise ValueError(f"strategy='pipeline' runs apply_pipeline: world_size >= 2 ranks (got {world_size}), "
                          f"precision 'fp32' or 'bf16-true' (got {precision!r}), and loss_fn(output, targets), which "
-                         "the last stage computes, with an (inputs, targets) or {'input_ids', 'labels'} batch")
+                         "the last stage computes, with an (inputs, targets) or {'input_ids', 'labels'} batch "
+                         "(no step_fn or keys: a pipeline cuts the model, not your step)")
     if precision == 'zero-mixed':
         raise ValueError("precision='zero-mixed' is ZeRO's accounting (fp32 master weights inside the optimizer), "
                          "which torch does not train; measure 'bf16-mixed' (autocast, the same 16 bytes per parameter "
                          "with Adam), 'bf16-true' or 'fp32'")
-    args = (batch, s, optimizer, precision, loss_fn, units, lr)
+    args = (batch, s, optimizer, precision, how, units, lr)
     if world_size == 1: measured = [_measure_step(copy.deepcopy(model), *args)]
     else: measured = launch(_measure_step, model, *args, nprocs=world_size, timeout=timeout)
-    if s == 'pipeline': loss_fn = functools.partial(_logits_loss, loss_fn)  # as the last stage computes it
-    trace = trace_activations(model, batch, loss_fn, precision, units)
+    if s == 'pipeline': how = BatchLoss(functools.partial(_logits_loss, how.loss_fn))  # as the last stage has it
+    trace = trace_activations(model, batch, how, precision, units)
     ex = _pipeline_example(batch, world_size) if s == 'pipeline' else None
     ests = [estimate_memory(model, s, world_size, optimizer, precision, activations=trace, units=units, rank=r,
                             example=ex) for r in range(world_size)]
     return MemoryMeasurement(ests, measured)
 
-def _layout_estimates(model, batch, d, optimizer, precision, loss_fn, units):
+def _layout_estimates(model, batch, d, optimizer, precision, how, units):
     "estimate_memory of every rank of layout `d`, activations traced on the tp-local model (a pipeline's: scaled)"
     kw = dict(degrees=d, optimizer=optimizer, precision=precision, units=units)
     if d.pp_enabled:
-        lf = functools.partial(_logits_loss, _stage_loss(model, loss_fn))  # as the last stage computes it
+        lf = functools.partial(_logits_loss, _stage_loss(model, how.loss_fn))  # as the last stage computes it
         ex = _pipeline_example(batch, d.pp)  # the microbatch parallelize cuts (and traces) the model on
         return [estimate_memory(model, batch=batch, loss_fn=lf, rank=r, example=ex, **kw) for r in range(d.world_size)]
-    tr = trace_activations(tp_local(model, d.tp) if d.tp_enabled else model, batch, loss_fn, precision, units)
+    tr = trace_activations(tp_local(model, d.tp) if d.tp_enabled else model, batch, how, precision, units)
     return [estimate_memory(model, activations=tr, rank=r, **kw) for r in range(d.world_size)]
 
-def _measure_layouts(model, batch, strategy, world_size, degrees, optimizer, precision, loss_fn, units, lr, timeout):
+def _measure_layouts(model, batch, strategy, world_size, degrees, optimizer, precision, how, units, lr, timeout):
     "`measure_memory` of one `parallelize` layout, or of a list of them in one launch"
     one = isinstance(degrees, Degrees)
     if strategy != 'single': raise ValueError(f"degrees= is the layout parallelize runs: drop strategy={strategy!r}")
@@ -243,10 +241,13 @@ def _measure_layouts(model, batch, strategy, world_size, degrees, optimizer, pre
         raise ValueError(f"the layouts measured in one launch need one world size of 2 ranks or more, not "
                          f"{', '.join(str(d.world_size) for d in ds)}")
     if precision == 'zero-mixed': raise ValueError("precision='zero-mixed' is ZeRO's accounting: measure 'bf16-mixed'")
-    ests = [_layout_estimates(model, batch, d, optimizer, precision, loss_fn, units) for d in ds]
+    if any(d.pp_enabled for d in ds) and (how.step_fn or how.keys):
+        raise ValueError("a layout with pp > 1 cuts the model into stages, whose last computes loss_fn(output, "
+                         "targets): measure it with loss_fn (or a model's own labels= loss), not step_fn or keys")
+    ests = [_layout_estimates(model, batch, d, optimizer, precision, how, units) for d in ds]
     import torch.distributed.fsdp, torch.distributed.tensor.parallel  # once here, not in each forked rank
     if any(d.pp_enabled for d in ds): import torch.distributed.pipelining
-    res = launch(_layouts_step, model, batch, ds, optimizer, precision, loss_fn, units, lr, nprocs=ds[0].world_size,
+    res = launch(_layouts_step, model, batch, ds, optimizer, precision, how, units, lr, nprocs=ds[0].world_size,
                  timeout=timeout)
     out = [MemoryMeasurement(e, [r[i] for r in res]) for i, e in enumerate(ests)]
     return out[0] if one else out

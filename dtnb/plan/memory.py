@@ -11,6 +11,7 @@ from dataclasses import dataclass, asdict
 from torch import nn
 from ..core.utils import PRECISIONS, DEFAULT_PRECISION, check_precision, shard_numel, fmt_bytes, md_table, text_table
 from ..core.models import find_blocks
+from ..core.batches import BatchLoss
 from .activations import ActivationTrace, trace_activations
 from ..parallel.pipeline_split import split_model, chain_problem, traced_stage_tensors
 from ..parallel.tensor import Degrees, tp_plan
@@ -232,9 +233,8 @@ def _activations(model, sizes, batch, loss_fn, shape, activations, precision, ac
     if isinstance(activations, ActivationTrace): return activations.bytes(activation_checkpointing), 'traced'
     if activations is not None: return int(activations), 'given'
     if batch is not None:
-        if sizes is None:
-            raise ValueError("batch= needs a model to trace; with a parameter count give shape=TransformerShape(...) "
-                             "instead")
+        if sizes is None: raise ValueError("batch= needs a model to trace; with a parameter count give "
+                                           "shape=TransformerShape(...) instead")
         return trace_activations(model, batch, loss_fn, precision, units).bytes(activation_checkpointing), 'traced'
     if shape is not None:
         return shape.activation_bytes(PRECISIONS[precision].activations, activation_checkpointing), 'formula'
@@ -242,8 +242,7 @@ def _activations(model, sizes, batch, loss_fn, shape, activations, precision, ac
 
 def _temporary(strategy, optimizer, precision, params, trainable, unit, opt_elems):
     "Approximate bytes of (communication, optimizer) buffers that live only during the step (see the list above)"
-    p = PRECISIONS[precision]
-    gb, sb, cb = p.grads, p.optimizer_state, p.activations
+    gb, sb, cb = (getattr(PRECISIONS[precision], k) for k in ('grads', 'optimizer_state', 'activations'))
     comm = dict(single=0, ddp=trainable * gb, zero1=0, zero2=(params + (unit or 0)) * cb,
                 zero3=3 * (unit or 0) * cb, pipeline=0)[strategy]  # a pipeline sends activations, not model states
     return comm, (opt_elems * sb if OPTIMIZERS[optimizer] == 2 else 0)
@@ -280,7 +279,7 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
                     optimizer:str='adamw', # 'sgd', 'momentum', 'adam' or 'adamw'
                     precision:str=DEFAULT_PRECISION, # 'fp32', 'bf16-mixed' (autocast), 'zero-mixed' (ZeRO's)...
                     batch=None, # example batch per device, to trace the activations (needs a model)
-                    loss_fn=None, # loss for the traced batch: `loss_fn(output, target)`
+                    loss_fn=None, step_fn=None, keys=None, # the traced batch's loss, as `fit` takes it (`BatchLoss`)
                     shape:TransformerShape|None=None, # transformer shapes, for the activation formula
                     activation_checkpointing:bool=False, # activation checkpointing of each unit (layer)
                     offload:bool=False, # move the sharded model states to CPU memory
@@ -296,6 +295,7 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
     if ulysses != 1 and (degrees is not None or str(strategy).lower() in ('pipeline', 'single')):
         raise ValueError(f"ulysses={ulysses} splits sequences over data-parallel ranks: plan it with 'ddp', a ZeRO "
                          f"stage or Degrees(sp={ulysses}), not {'degrees=' if degrees is not None else repr(strategy)}")
+    loss_fn = BatchLoss.of(loss_fn, step_fn, keys)  # the three as one, on to the trace
     if degrees is not None:
         return _estimate_layout(model, degrees, strategy, world_size, optimizer, precision, batch, loss_fn, shape,
                                 activation_checkpointing, offload, activations, units, rank, example, sequence_parallel)

@@ -13,6 +13,7 @@ from ..detection.device import detect
 from ..core.utils import md_table, text_table, accelerators
 from .document import Section, Report, fig_ref, fold, write_report
 from ..core.logs import get_logger
+from ..core.batches import BatchLoss, forward_loss
 
 # %% auto #0
 __all__ = ['STRATEGY_RUNS', 'SECTIONS', 'load_spec', 'token_cross_entropy', 'Task', 'env_section', 'plan_section',
@@ -72,7 +73,7 @@ def _describe(task) -> str:
     if task.model is None: return "dtnb's example model (ToyModel, 16 features) on toy regression data, mse loss"
     name = _name(task.model)
     if not task.has_data: return f"your model ({name}), from its parameters only (no --input-shape, --batch, --dataset)"
-    loss = getattr(task.loss_fn, '__name__', 'loss')
+    loss = 'your step_fn' if task.how.step_fn else getattr(task.loss_fn, '__name__', 'loss')
     if task.batch: return f"your model ({name}) on the batch from {_name(task.batch)}, repeated, {loss}"
     if task.dataset and not task.input_shape: return f"your model ({name}) on samples of {task.dataset}, {loss}"
     return (f"your model ({name}) on random inputs of shape {tuple(task.input_shape)}, {loss} "
@@ -86,6 +87,7 @@ class Task:
     input_shape: tuple|None = None  # one sample's input shape: random inputs, targets derived from the output
     batch: object = None            # 'module:make_batch' returning one (inputs, targets) batch, repeated as needed
     dataset: object = None          # 'module:factory' returning a map-style Dataset of (input, target) samples
+    how: BatchLoss = BatchLoss()    # the loss_fn, step_fn, keys given to `report` (`core.batches`); else derived
 
     @property
     def has_data(self): return self.model is None or bool(self.input_shape or self.batch or self.dataset)
@@ -103,12 +105,16 @@ class Task:
         return x[idx], y[idx]
     @property
     def loss_fn(self):
-        "mse for dtnb's example, else the loss the model's output and the targets call for"
+        "The loss_fn given, mse for dtnb's example, else the loss the model's output and the targets call for"
         import torch, torch.nn.functional as F
+        if self.how.loss_fn or self.how.step_fn: return self.how.loss_fn
         if self.model is None: return F.mse_loss
         x, y = self.examples(2)
         with torch.no_grad(): return _loss_for(self.build()(x), y)
     def describe(self) -> str: return _describe(self)
+    def batch_loss(self) -> BatchLoss:
+        "How a batch of the task becomes a loss: what was given, else the derived `loss_fn`"
+        return BatchLoss(self.loss_fn, self.how.step_fn, self.how.keys)
 
 # %% ../../nbs/08a_reporting.sections.ipynb #d9eaa2b5
 def env_section(quick=True, **_) -> Section:
@@ -122,7 +128,7 @@ def plan_section(quick=True, task=None, nprocs=2, **_) -> Section:
     from dtnb.plan.recommend import recommend
     task = task or Task()
     batch = task.examples(16) if task.has_data else None
-    kw = dict(batch=batch, loss_fn=task.loss_fn if batch else None, world_size=nprocs, precision='fp32')
+    kw = dict(batch=batch, loss_fn=task.batch_loss() if batch else None, world_size=nprocs, precision='fp32')
     p = recommend(task.build(), **kw)
     acts = 'activations traced from a batch of 16' if batch else 'to count activations, pass --input-shape or --batch'
     assume = f"Planned for {nprocs} devices in fp32, as the training section trains ({acts}). Model: {task.describe()}."
@@ -154,9 +160,11 @@ def _train_strategy(strategy, steps, task):
     from dtnb.parallel.ddp import distributed_loader, make_optimizer
     from dtnb.parallel.wrap import wrap
     from dtnb.train.loop import fit
-    model, (x, y), loss_fn = task.build(), task.examples(512), task.loss_fn
+    model, (x, y), how = task.build(), task.examples(512), task.batch_loss()
     grad = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    opts = dict(loss_fn=loss_fn, n_microbatches=4, example=x[:4]) if strategy == 'pipeline' else {}
+    if strategy == 'pipeline' and how.step_fn:
+        return dict(skipped="a pipeline's last stage computes loss_fn(output, targets): a step_fn is not cut in stages")
+    opts = dict(loss_fn=how.loss_fn, n_microbatches=4, example=x[:4]) if strategy == 'pipeline' else {}
     try: model = wrap(model, strategy, **opts)
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
         return dict(skipped=f"{type(e).__name__}: {e}")
@@ -165,7 +173,9 @@ def _train_strategy(strategy, steps, task):
     else: loader = distributed_loader(TensorDataset(x, y), global_batch_size=16, shuffle=False)
     torch.manual_seed(0)
     opt = make_optimizer(model, torch.optim.SGD, lr=0.05 if task.model is None else 0.01)  # random labels: lower lr
-    return dict(fit(model, loader, opt, loss_fn=loss_fn, max_steps=steps, progress=False).to_dict(), grad_bytes=grad)
+    r = fit(model, loader, opt, loss_fn=how.loss_fn, step_fn=how.step_fn, keys=how.keys, max_steps=steps,
+            progress=False)
+    return dict(r.to_dict(), grad_bytes=grad)
 
 # %% ../../nbs/08a_reporting.sections.ipynb #633bbde5
 def _has_batchnorm(model) -> bool:
@@ -244,11 +254,10 @@ class _TaskSamples:
 def _train_step(task):
     "train_step(batch) of the task's model with SGD: what `loader_report` times"
     import torch
-    model, loss_fn = task.build(), task.loss_fn
+    model, how = task.build(), task.batch_loss()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     def step(batch):
-        x, y = batch
-        loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+        forward_loss(model, batch, how)[0].backward(); opt.step(); opt.zero_grad()
     return step
 
 def loader_section(quick=True, task=None, **_) -> Section:
@@ -320,12 +329,14 @@ def report(out:str|Path|None=None,  # folder for report.md, report.html, results
            batch=None,                # 'module:make_batch' returning one (inputs, targets) batch of your data
            dataset=None,              # 'module:factory' returning your Dataset (loader section; training too)
            sections:list|None=None,   # names from SECTIONS (default: all)
-           progress:bool=True) -> Report:
+           progress:bool=True,
+           loss_fn=None, step_fn=None, keys=None, # how your batch becomes a loss, as `fit` takes it (`BatchLoss`)
+          ) -> Report:
     "Run the report's sections on this machine and your model; write files when `out` is given"
     names = sections or list(SECTIONS)
     if unknown := [n for n in names if n not in SECTIONS]:
         raise ValueError(f"Unknown report sections {unknown}: choose from {list(SECTIONS)}")
-    task = Task(model, tuple(input_shape) if input_shape else None, batch, dataset)
+    task = Task(model, tuple(input_shape) if input_shape else None, batch, dataset, BatchLoss(loss_fn, step_fn, keys))
     if not task.has_data and {'training', 'loader'} & set(names):
         raise ValueError("--model needs data to train: --input-shape 3,32,32, --batch module:make_batch or "
                          "--dataset module:factory (or --sections env plan bench)")

@@ -6,94 +6,25 @@ Docs: https://dtnb-dev.github.io/dtnb/train.batches.html.md"""
 
 # %% ../../nbs/05_train.batches.ipynb #e7838722
 from __future__ import annotations
-import inspect, warnings, contextlib
-from dataclasses import dataclass
+import warnings, contextlib
 from ..core.logs import EquivalenceWarning, PerformanceWarning
 from collections.abc import Mapping
 import torch
 from torch import nn
 from ..core.dist import world_size, current_device, all_gather_objects
 from ..core.utils import to_device, tree_map_tensors, tensors, autocast, cast_inputs, check_precision
-from ..parallel.pipeline_split import output_logits  # a Hugging Face output's .logits
+from ..core.batches import BatchLoss, forward_loss  # how a batch becomes a loss: one definition, in core
 
 # %% auto #0
-__all__ = ['cast_batch', 'forward_loss', 'BatchLoss', 'count_samples', 'fit_precision', 'gradient_sync', 'micro_step',
-           'ShardNorm', 'grad_norm', 'optimizer_step', 'as_metrics', 'pipeline_args', 'check_pipeline_validation',
-           'evaluate', 'check_loader', 'check_fp16']
+__all__ = ['cast_batch', 'count_samples', 'fit_precision', 'gradient_sync', 'micro_step', 'ShardNorm', 'grad_norm',
+           'optimizer_step', 'as_metrics', 'pipeline_args', 'check_pipeline_validation', 'evaluate', 'check_loader',
+           'check_fp16']
 
 # %% ../../nbs/05_train.batches.ipynb #f10a5c99
-_REGRESSION = (nn.functional.mse_loss, nn.functional.l1_loss, nn.functional.smooth_l1_loss, nn.functional.huber_loss)
-_FIX = ("pass keys=('<input key>', '<target key>') (with loss_fn=...), or step_fn=lambda model, batch: <the loss>, "
-        "or use a model whose forward takes the batch's names and returns an output with .loss")
-
 def cast_batch(batch, precision, keys=None):
     "For 'bf16-true': the batch with its floating-point inputs in bf16 (the targets unchanged: `utils.cast_inputs`)"
     if precision != 'bf16-true': return batch
     return cast_inputs(batch, torch.bfloat16, keys[1] if keys else 'labels')
-
-def _describe(batch) -> str:
-    "A batch's structure in words, for messages: \"dict with keys 'image', 'label'\""
-    if isinstance(batch, Mapping): return f"dict with keys {', '.join(map(repr, batch))}"
-    one = lambda t: (f"tensor{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" if isinstance(t, torch.Tensor)
-                     else type(t).__name__)
-    if isinstance(batch, (tuple, list)): return f"{type(batch).__name__} of {len(batch)} ({', '.join(map(one, batch))})"
-    return one(batch)
-
-def _takes(model, names) -> bool:
-    "Whether `model`'s forward takes all `names` as keywords (a DDP wrapper: its module's forward)"
-    try: ps = inspect.signature(getattr(model, 'module', model).forward).parameters
-    except (TypeError, ValueError, AttributeError): return False
-    return any(p.kind == p.VAR_KEYWORD for p in ps.values()) or all(n in ps for n in names)
-
-def _split(model, batch, keys):
-    "((args, kwargs) for the model, the targets or None) of one batch"
-    if isinstance(batch, Mapping):
-        if keys is not None:
-            if missing := [k for k in keys if k not in batch]:
-                raise ValueError(f"keys={keys!r}, but the batch is a {_describe(batch)}: no {missing[0]!r}")
-            return ((batch[keys[0]],), {}), batch[keys[1]]
-        if _takes(model, batch): return ((), dict(batch)), batch.get('labels')
-        raise ValueError(f"fit cannot feed a batch of {_describe(batch)} to "
-                         f"{type(getattr(model, 'module', model)).__name__}.forward, which does not take those "
-                         f"names: {_FIX}")
-    if isinstance(batch, (tuple, list)) and len(batch) == 2: return ((batch[0],), {}), batch[1]
-    raise ValueError(f"fit expects (inputs, targets) or dict batches, got a {_describe(batch)}: {_FIX}")
-
-def _loss(out, y, loss_fn, batch):
-    "loss_fn(predictions, targets); without loss_fn the model's own `.loss`, else mse_loss where it fits"
-    own = out.get('loss') if isinstance(out, Mapping) else getattr(out, 'loss', None)
-    if loss_fn is None and isinstance(own, torch.Tensor): return own
-    if y is None:
-        raise ValueError(f"no loss for a batch of {_describe(batch)}: no targets in it and no .loss in the model's "
-                         f"output: {_FIX}")
-    pred, fn = output_logits(out), loss_fn or nn.functional.mse_loss
-    if fn in _REGRESSION and isinstance(pred, torch.Tensor) and isinstance(y, torch.Tensor):
-        name = fn.__name__ + ('' if loss_fn else ' (the default loss_fn)')
-        if not y.is_floating_point():
-            raise ValueError(f"the targets are integers ({y.dtype}) but the loss is {name}, a regression loss: for "
-                             "class labels pass loss_fn=torch.nn.functional.cross_entropy")
-        if pred.shape != y.shape:
-            raise ValueError(f"{name} got predictions of shape {list(pred.shape)} and targets of shape "
-                             f"{list(y.shape)}: it would broadcast them into a wrong loss. Pass the loss that fits, "
-                             "e.g. loss_fn=torch.nn.functional.cross_entropy for class scores")
-    return fn(pred, y)
-
-def forward_loss(model, batch, loss_fn=None, step_fn=None, keys=None):
-    "(loss, predictions, targets) of one batch; predictions and targets are None where only a loss is known"
-    if step_fn is not None:
-        r = step_fn(model, batch)
-        return tuple(r) if isinstance(r, (tuple, list)) else (r, None, None)
-    (args, kwargs), y = _split(model, batch, keys)
-    out = model(*args, **kwargs)
-    return _loss(out, y, loss_fn, batch), output_logits(out), y
-
-@dataclass(frozen=True)
-class BatchLoss:
-    "How a batch becomes a loss, said once: `loss_fn(predictions, targets)` or `step_fn(model, batch)`, and `keys`"
-    loss_fn: object = None  # loss_fn(predictions, targets); default: the model's .loss, else mse_loss where it fits
-    step_fn: object = None  # step_fn(model, batch) -> the loss, or (loss, predictions, targets); then loss_fn is unused
-    keys: tuple|None = None # (input key, target key) of a dict batch
-    def __call__(self, model, batch): return forward_loss(model, batch, self.loss_fn, self.step_fn, self.keys)
 
 def count_samples(batch) -> int:
     "Samples in a batch: the first dimension of its first tensor"
