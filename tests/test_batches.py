@@ -117,6 +117,25 @@ def test_report_task_takes_the_three():
     assert t.loss_fn is None and t.batch_loss() == BatchLoss(None, GPT_STEP, None)
     assert forward_loss(gpt(), make_tokens(), t.batch_loss())[0].dim() == 0
     assert Task(lambda: nn.Linear(4, 1), input_shape=(4,)).batch_loss().loss_fn is F.mse_loss
+    d = Task(classifier, batch=make_dict, how=BatchLoss(F.cross_entropy, keys=KEYS))
+    x, y = d.examples(10)  # keys pick the pair out of the dict batch; the report trains on (inputs, targets)
+    assert x.shape == (10, 16) and torch.equal(y[:8], LABELS) and d.batch_loss() == BatchLoss(F.cross_entropy)
+    with pytest.raises(ValueError, match=r"say which are the input and the target with keys="):
+        Task(classifier, batch=make_dict).examples(4)
+
+
+def make_dict(): return dict(DICT)
+
+
+def test_report_with_a_dict_batch_and_keys(tmp_path):
+    "report(...) on a dict batch: keys= names its input and target, loss_fn its loss; every strategy agrees"
+    from dtnb.reporting.sections import report
+    rep = report(tmp_path, quick=True, model=classifier, batch=make_dict, keys=KEYS, loss_fn=F.cross_entropy,
+                 sections=['plan', 'training'], progress=False)
+    plan, training = rep.sections
+    assert plan.error is None and training.error is None, (plan.error, training.error)
+    assert training.data['agree'] is True and 'cross_entropy' in training.data['description']
+    assert 'losses' in training.data['runs']['pipeline']  # a loss_fn: the pipeline trains too
 
 
 # ---- a dict batch with keys= ----------------------------------------------------------------------------------------

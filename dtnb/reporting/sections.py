@@ -59,10 +59,18 @@ def _source(task, n):
     from torch.utils.data import default_collate
     from dtnb.core.models import toy_data
     if task.model is None: return toy_data(n)[:]
-    if task.batch: return load_spec(task.batch, '--batch')()
+    if task.batch: return _pair(load_spec(task.batch, '--batch')(), task.how.keys)
     if task.input_shape: return _derived(task, n)
     ds = load_spec(task.dataset, '--dataset')()
-    return default_collate([ds[i] for i in range(min(n, len(ds), 64))])
+    return _pair(default_collate([ds[i] for i in range(min(n, len(ds), 64))]), task.how.keys)
+
+def _pair(batch, keys):
+    "(inputs, targets) of a batch: a dict's by `keys` (input key, target key)"
+    if not isinstance(batch, dict): return batch
+    if keys is None or any(k not in batch for k in keys):
+        raise ValueError(f"the batch is a dict with keys {', '.join(map(repr, batch))}: say which are the input and "
+                         f"the target with keys=('<input key>', '<target key>'), not keys={keys!r}")
+    return batch[keys[0]], batch[keys[1]]
 
 _GUESS = {'cross_entropy': "the output is read as class scores: random integer labels",
           'mse_loss': "the output is read as a regression: random targets of its shape"}
@@ -113,8 +121,8 @@ class Task:
         with torch.no_grad(): return _loss_for(self.build()(x), y)
     def describe(self) -> str: return _describe(self)
     def batch_loss(self) -> BatchLoss:
-        "How a batch of the task becomes a loss: what was given, else the derived `loss_fn`"
-        return BatchLoss(self.loss_fn, self.how.step_fn, self.how.keys)
+        "How a batch of the task (an (inputs, targets) pair: `examples`) becomes a loss: what was given, else derived"
+        return BatchLoss(self.loss_fn, self.how.step_fn)  # keys= already picked the pair out of a dict batch
 
 # %% ../../nbs/08a_reporting.sections.ipynb #d9eaa2b5
 def env_section(quick=True, **_) -> Section:
