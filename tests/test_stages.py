@@ -1,8 +1,8 @@
 """Stages in order (issue 42): a module of dtnb imports only modules that come before it.
 
 Each module is generated from one notebook (its header: `File to edit: ../../nbs/NN_x.ipynb`); the notebook's file
-name orders the modules: its number first (`00` < `00a` < `00b` < `01`, `03f` < `03fb` < `03g`), then, between rooms sharing a number,
-its name (`02_launcher.failures` < `02_launcher.hangs`), the order `ls nbs` shows and `nbdev-test` runs them in.
+name orders the modules: its number first (`00` < `00a` < `00b` < `01`, `03f` < `03fb` < `03g`), then, between rooms
+sharing a number, its name (`02_launcher.failures` < `02_launcher.hangs`), the order `ls nbs` shows.
 
 Every import counts, the ones inside functions too: a lazy import only delays loading, the module still needs the
 later one to work, so a lower stage calling up into a higher one is a back-edge all the same. `LISTED` names the
