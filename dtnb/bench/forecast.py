@@ -49,7 +49,8 @@ def flops_per_sample(model, # an `nn.Module`, a parameter count, or a `Transform
                      activation_checkpointing:bool=False, loss_fn=None) -> tuple[float, int, str]:
     "(training FLOPs of one sample, samples in one device's micro-batch, how they were counted)"
     if isinstance(model, TransformerShape):
-        return model.flops(activation_checkpointing), model.batch, "Megatron-LM's formula (Narayanan et al. 2021, eq. 3)"
+        how = "Megatron-LM's formula (Narayanan et al. 2021, eq. 3)"
+        return model.flops(activation_checkpointing), model.batch, how
     rc = 4 / 3 if activation_checkpointing else 1
     if hasattr(model, 'parameters'):
         if batch is None: raise ValueError("A model needs batch= (one device's example batch) to count its FLOPs")
