@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..core.specs import DeviceSpec, device_spec
 from ..core.utils import PRECISIONS, precision_for, md_table, text_table, fmt_bytes
 from ..plan.memory import TransformerShape
-from ..plan.recommend import recommend, Node, step_parts, dp_exposed, ddp_buckets
+from ..plan.recommend import recommend, Node, step_parts, dp_exposed, ddp_buckets, transformer_flops
 from .collectives import busbw_factor
 from ..parallel.pipeline_schedules import bubble_fraction
 from .ops import op_compute
@@ -50,7 +50,7 @@ def flops_per_sample(model, # an `nn.Module`, a parameter count, or a `Transform
     "(training FLOPs of one sample, samples in one device's micro-batch, how they were counted)"
     if isinstance(model, TransformerShape):
         how = "Megatron-LM's formula (Narayanan et al. 2021, eq. 3)"
-        return model.flops(activation_checkpointing), model.batch, how
+        return transformer_flops(model, activation_checkpointing), model.batch, how
     rc = 4 / 3 if activation_checkpointing else 1
     if hasattr(model, 'parameters'):
         if batch is None: raise ValueError("A model needs batch= (one device's example batch) to count its FLOPs")

@@ -57,11 +57,6 @@ class TransformerShape:
         h = self.hidden
         return self.layers * (12 * h * h + 13 * h) + (self.vocab + self.seq_len) * h + 2 * h
 
-    def flops(self, activation_checkpointing:bool=False) -> float:
-        "Training FLOPs of one sequence: Megatron-LM's 72sLh²(1 + s/6h + v/12hL) (96 with recomputation)"
-        s, L, h, v = self.seq_len, self.layers, self.hidden, self.vocab
-        return (96 if activation_checkpointing else 72) * s * L * h * h * (1 + s / (6 * h) + v / (12 * h * L))
-
     def layer_activation_bytes(self, elem:int=2, tp:int=1, sequence_parallel:bool=False) -> int:
         "Bytes one layer saves for backward (Korthikanti et al. 2022), `elem`-byte activations, on one of `tp` ranks"
         s, b, h, a = self.seq_len, self.batch, self.hidden, self.heads

@@ -16,8 +16,8 @@ from .memory import tp_linears
 from ..parallel.tensor import Degrees
 
 # %% auto #0
-__all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'Node', 'step_parts', 'dp_exposed',
-           'step_collectives', 'ddp_buckets', 'step_time', 'memory_explorer']
+__all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'transformer_flops', 'Node', 'step_parts',
+           'dp_exposed', 'step_collectives', 'ddp_buckets', 'step_time', 'memory_explorer']
 
 # %% ../../nbs/04b_plan.recommend.ipynb #57e94ad1
 def _ladder(ws, activation_checkpointing=True):
@@ -219,6 +219,12 @@ def _splits(model, tp):
     except ValueError: return False
 
 # %% ../../nbs/04b_plan.recommend.ipynb #34ebd299
+def transformer_flops(shape:TransformerShape, activation_checkpointing:bool=False) -> float:
+    "Training FLOPs of one sequence of `shape`: Megatron-LM's 72sLh²(1 + s/6h + v/12hL), 96 with recomputation"
+    s, L, h, v = shape.seq_len, shape.layers, shape.hidden, shape.vocab
+    return (96 if activation_checkpointing else 72) * s * L * h * h * (1 + s / (6 * h) + v / (12 * h * L))
+
+# %% ../../nbs/04b_plan.recommend.ipynb #02b06b34
 @dataclass
 class Node:
     "What the step time model assumes of a node"
@@ -235,7 +241,7 @@ def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISIO
     p, n, m = PRECISIONS[precision], d.world_size, 2 * d.pp
     s, h = shape.seq_len, shape.hidden
     tok = shape.batch * n / d.dp / d.sp * s  # tokens of each rank's tp group: its sequences, a 1/sp slice of each
-    compute = shape.flops(activation_checkpointing) * shape.batch / node.flops
+    compute = transformer_flops(shape, activation_checkpointing) * shape.batch / node.flops
     bubble = (d.pp - 1) / m * compute
     ar = lambda k, b, link: 2 * (k - 1) / k * b / link
     link = lambda ranks: node.intra if ranks <= node.devices else node.inter  # a group of consecutive ranks
