@@ -17,6 +17,7 @@ from ..parallel.tensor import Degrees, parallelize, apply_tp
 from ..parallel.wrap import wrap
 from ..plan.memory import TransformerShape
 from ..plan.recommend import Node, step_parts, transformer_flops
+from .collectives import overlap_share
 
 # %% auto #0
 __all__ = ['LAYOUTS', 'DEFAULT_LAYOUTS', 'layout_degrees', 'shape_model', 'rank_sequences', 'local_model', 'sample_compute',
@@ -223,7 +224,7 @@ def validate_rank(shape:TransformerShape, names:list, one:dict, steps:int=8, sec
     torch.set_num_threads(1); warnings.filterwarnings('ignore', category=UserWarning)
     n, busy, out = dist.get_world_size(), _Busy(), {}
     whole = sample_compute(shape, Degrees(), steps, sync=True)['step']  # the whole model in every rank at once
-    link = measure_link(shape, busy) | dict(flops=transformer_flops(shape) * shape.batch / whole)
+    link = measure_link(shape) | dict(flops=transformer_flops(shape) * shape.batch / whole)
     for name in names:
         d = layout_degrees(name, n, shape)
         c = sample_compute(shape, d, steps, sync=True)  # every rank at once, in step: the machine shared
@@ -270,18 +271,15 @@ def call_cost(units:int=8, steps:int=16) -> float:
     fully_shard(m)
     return max(0.0, _trimmed(_times(_stepper(m, x, x), steps, sync=True)) - plain) / (3 * units)  # 2 gathers, 1 reduce
 
-def measure_link(shape:TransformerShape, busy, repeats:int=8) -> dict:
+def measure_link(shape:TransformerShape, repeats:int=8) -> dict:
     "In each rank of a group: a `Node`'s figures for this link: per-call cost, busbw of the gradients, overlap"
     n, tiny, grads = dist.get_world_size(), torch.zeros(1), torch.randn(shape.params())
     all_reduce = lambda t: lambda: dist.all_reduce(t)
     latency = _trimmed(_times(all_reduce(tiny), 4 * repeats))
     whole = _trimmed(_times(all_reduce(grads), repeats, sync=True))
     busbw = 2 * (n - 1) / n * grads.numel() * 4 / max(whole - latency, 1e-9)
-    def both(): w = dist.all_reduce(grads, async_op=True); busy(whole); w.wait()
-    alone = _trimmed(_times(lambda: busy(whole), repeats, sync=True))
-    together = _trimmed(_times(both, repeats, sync=True))
-    overlap = (alone + whole - together) / min(alone, whole)  # the share of the shorter one that ran behind the other
-    return dict(latency=latency, call=max(latency, call_cost()), busbw=busbw, overlap=min(1.0, max(0.0, overlap)))
+    overlap = overlap_share(grads.numel() * 4, repeats)['share']
+    return dict(latency=latency, call=max(latency, call_cost()), busbw=busbw, overlap=overlap)
 
 def here_node(flops:float, link:dict|None=None) -> Node:
     "The step-time model's `Node` for this machine: its measured FLOP/s, and its link's figures (none: one process)"
