@@ -33,9 +33,10 @@ def is_conv1d(m:nn.Module) -> bool:
     "A Hugging Face `Conv1D` (GPT-2's layers): a Linear whose weight is stored (in features, out features)"
     return type(m).__name__ == 'Conv1D' and hasattr(m, 'nf')
 
-def features(m:nn.Module) -> tuple:
-    "(out features, in features) of a Linear or a `Conv1D`"
-    return (m.nf, m.weight.shape[0]) if is_conv1d(m) else (m.out_features, m.in_features)
+def features(m:nn.Module) -> tuple|None:
+    "(out features, in features) of a Linear or a `Conv1D`; None for other modules"
+    if is_conv1d(m): return m.nf, m.weight.shape[0]
+    return (m.out_features, m.in_features) if isinstance(m, nn.Linear) else None
 
 def _count(m, names):
     "(name, value) of the first of `names` that `m` holds as a whole number, else (None, None)"
@@ -101,6 +102,13 @@ class NarrowInput(torch.Tensor):
             f"from its size are one rank's), which only its q/k/v layers may take; move that computation out of "
             f"{x._dtnb_where}, or pass a plan= that leaves its layers whole")
 
+def _stand_in(x, width):
+    "A `NarrowInput` like `x` but `width` wide: a view of `x`, or a meta tensor for a fake one (`estimate_memory`'s trace)"
+    if type(x) is torch.Tensor: return x.detach().narrow(-1, 0, width).as_subclass(NarrowInput)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        return torch.empty(*x.shape[:-1], width, dtype=x.dtype, device='meta').as_subclass(NarrowInput)
+
 def _narrow(m, args, kwargs):
     "Forward pre-hook of an attention split by heads: its input replaced by a stand-in of one rank's width"
     where, width, tp = m._dtnb_heads
@@ -110,7 +118,7 @@ def _narrow(m, args, kwargs):
         raise ValueError(f"{where} splits its heads over tp={tp} ranks and expects inputs of {width} features first, "
                          f"got {tuple(x.shape) if torch.is_tensor(x) else type(x).__name__}: pass a plan= that "
                          f"leaves its layers whole")
-    n = x.detach().narrow(-1, 0, width // tp).as_subclass(NarrowInput)
+    n = _stand_in(x, width // tp)
     n._dtnb_input, n._dtnb_where = x, where
     return ((n, *args[1:]), kwargs) if args else (args, {**kwargs, key: n})
 
@@ -157,8 +165,12 @@ def head_specs(model:nn.Module, plan:dict, tp:int, sequence_parallel:bool=False)
     fused, attn = {}, {}
     for n, style in planned.items():
         parent, _, child = n.rpartition('.')
-        if not isinstance(style, ColwiseParallel): continue
+        if not isinstance(style, ColwiseParallel) or features(model.get_submodule(n)) is None: continue
         if child in FUSED: fused[n] = fused_parts(model.get_submodule(parent), child, tp, n)
+        hd, out = getattr(model.get_submodule(parent), 'head_dim', None), features(model.get_submodule(n))[0]
+        if child in QKV and type(hd) is int:  # Hugging Face style: whole heads of head_dim features
+            _divides(out // hd, tp, f"{n} has {out // hd} heads of {hd} features",
+                     f"choose a tensor-parallel degree dividing {out // hd}")
         if child in QKV or FUSED.get(child) in ('stacked', 'grouped'): attn.setdefault(parent, []).append(child)
     out = {}
     for name, layers in attn.items():
