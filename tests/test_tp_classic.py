@@ -78,7 +78,7 @@ def test_classic_tp_times_fsdp_equals_one_process(name):
 
 
 def test_a_plan_naming_the_fused_layer_colwise_splits_it_by_heads():
-    "A user's plan with c_attn colwise, which torch alone would cut into the wrong thirds of q, k, v, trains as one process"
+    "A plan naming c_attn colwise (torch alone would cut it into the wrong thirds of q, k, v) trains as one process"
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     plan = {'transformer.h.*.attn.c_attn': ColwiseParallel(), 'transformer.h.*.attn.c_proj': RowwiseParallel()}
     check('nano_gpt', dict(tp=2), plan=plan)

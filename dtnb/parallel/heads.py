@@ -103,7 +103,7 @@ class NarrowInput(torch.Tensor):
             f"{x._dtnb_where}, or pass a plan= that leaves its layers whole")
 
 def _stand_in(x, width):
-    "A `NarrowInput` like `x` but `width` wide: a view of `x`, or a meta tensor for a fake one (`estimate_memory`'s trace)"
+    "A `NarrowInput` like `x` but `width` wide: a view of `x`, or a meta tensor for a fake one (a memory trace)"
     if type(x) is torch.Tensor: return x.detach().narrow(-1, 0, width).as_subclass(NarrowInput)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():

@@ -382,7 +382,7 @@ def layout_sizes(model:nn.Module, degrees:Degrees, rank:int=0, example=None, uni
 
 # %% ../../nbs/04a_plan.memory.ipynb #aa4a06f7
 def tp_local(model:nn.Module, tp:int) -> nn.Module:
-    "A copy of `model` (on the meta device) whose split Linears are one rank's slices, and its attention one rank's heads"
+    "A copy of `model` (on meta) whose split Linears are one rank's slices, and its attention one rank's heads"
     local = copy.deepcopy(model)
     for name, (o, i, _) in tp_linears(model, tp).items():
         m = model.get_submodule(name)
