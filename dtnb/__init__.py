@@ -17,7 +17,7 @@ _API = '''
     Degrees parallelize tp_plan apply_tp data_rank
     ulysses ulysses_data ulysses_attention
     estimate_memory recommend measure_memory trace_activations memory_explorer TransformerShape MemoryEstimate
-    layout_candidates step_time step_parts step_collectives Node
+    layout_candidates step_time step_parts step_collectives dp_exposed transformer_flops Node
     MemoryPlan MemoryMeasurement
     find_batch_size BatchSize
     save_checkpoint load_checkpoint latest_checkpoint list_checkpoints checkpoint_path resumable

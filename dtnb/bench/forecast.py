@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..core.specs import DeviceSpec, device_spec
 from ..core.utils import PRECISIONS, precision_for, md_table, text_table, fmt_bytes
 from ..plan.memory import TransformerShape
-from ..plan.recommend import recommend, Node, step_parts
+from ..plan.recommend import recommend, Node, step_parts, dp_exposed, ddp_buckets, transformer_flops
 from .collectives import busbw_factor
 from ..parallel.pipeline_schedules import bubble_fraction
 from .ops import op_compute
@@ -49,9 +49,8 @@ def flops_per_sample(model, # an `nn.Module`, a parameter count, or a `Transform
                      activation_checkpointing:bool=False, loss_fn=None) -> tuple[float, int, str]:
     "(training FLOPs of one sample, samples in one device's micro-batch, how they were counted)"
     if isinstance(model, TransformerShape):
-        s, L, h, v = model.seq_len, model.layers, model.hidden, model.vocab
-        f = (96 if activation_checkpointing else 72) * s * L * h * h * (1 + s / (6 * h) + v / (12 * h * L))
-        return f, model.batch, "Megatron-LM's formula (Narayanan et al. 2021, eq. 3)"
+        how = "Megatron-LM's formula (Narayanan et al. 2021, eq. 3)"
+        return transformer_flops(model, activation_checkpointing), model.batch, how
     rc = 4 / 3 if activation_checkpointing else 1
     if hasattr(model, 'parameters'):
         if batch is None: raise ValueError("A model needs batch= (one device's example batch) to count its FLOPs")
@@ -149,7 +148,9 @@ def _step(t, e, fps, mb, shape, eff, microbatches):
         act = 2 * m * shape.seq_len * shape.batch * shape.hidden * ab if shape else 0  # activation out, gradient back
         return compute, act / (t.busbw * 1e9), compute * f / (1 - f), off, m * mb
     comm = bus_bytes(step_collectives(e.strategy, e.params, n, gb, pb), n) / (t.busbw * 1e9)
-    return flops / peak, comm, 0.0, off, n * mb
+    calls = 3 * (shape.layers + 1) if shape and e.strategy == 'zero3' else ddp_buckets(e.params * gb)
+    return (flops / peak, dp_exposed(comm, calls, e.strategy == 'zero3', flops / peak, 1.0, e.activation_checkpointing),
+            0.0, off, n * mb)
 
 # %% ../../nbs/07d_bench.forecast.ipynb #01d25cfd
 def _choose(plan, strategy):
@@ -334,9 +335,10 @@ def predict(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
                                                                                 for r in rows))
     how = (f"{efficiency:.0%}" if isinstance(efficiency, (int, float)) else 'the given efficiencies' if efficiency
            else f"{EFFICIENCY:.0%} ({EFFICIENCY_SOURCE})")
-    comm = ("communication not overlapped, by layout dimension (recommend's step_parts): tp inside a server at the "
-            "device table's link, dp and pp across servers at busbw" if layouts else
-            "communication not overlapped, at the link's datasheet bus bandwidth (nccl-tests busbw, ZeRO volumes)")
+    comm = ("communication by layout dimension (recommend's step_parts): tp inside a server at the device table's "
+            "link, dp and pp across servers at busbw" if layouts else
+            "communication at the link's datasheet bus bandwidth (nccl-tests busbw, ZeRO volumes)") + \
+           "; dp's collectives behind the compute (DDP's buckets behind the backward), the last one exposed"
     ops = list(dict.fromkeys(r['compute_model'] for r in rows if r.get('compute_model')))
     assume = [f"compute at {how} of each format's dense datasheet peak" + (", where no curves" if ops else ''),
               *[f"compute from the operator-level model (dtnb.bench.ops): {s}" for s in ops], comm,

@@ -14,7 +14,8 @@ from ..core.utils import DTYPES, dtype_name, autocast, progress_bar, tensors, to
 from ..core.batches import BatchLoss, forward_loss, split_batch
 from .compute import (BenchResult, time_fn, summarize_times, resolve_device, device_info, throughput_unit,
                         bench_matmul, bench_memory)
-from .collectives import bench_collectives
+from .collectives import bench_collectives, overlap_share
+from ..plan.recommend import dp_exposed, ddp_buckets
 
 # %% auto #0
 __all__ = ['PRICE_EXAMPLES', 'BENCHMARKS', 'default_loss', 'step_flops', 'mfu', 'achievable_tflops', 'bench_model',
@@ -144,11 +145,15 @@ def _plot_model(r, ax):
 BenchResult.plots['model'] = _plot_model
 
 # %% ../../nbs/07b_bench.throughput.ipynb #9bd20db2
-def predict_sync_seconds(strategy:str, nbytes:float, n:int, busbw_gbs:float) -> float:
-    "Gradient-sync seconds per step from busbw: DDP 2(n-1)/n * bytes / busbw, FSDP 3(n-1)/n * bytes / busbw"
+def predict_sync_seconds(strategy:str, nbytes:float, n:int, busbw_gbs:float,
+                         compute:float=0.0, overlap:float=1.0, latency:float=0.0, # seconds it hides behind; share
+                        ) -> float:
+    "Gradient-sync seconds a step waits for: DDP 2(n-1)/n, FSDP 3(n-1)/n x bytes / busbw, less what `compute` hides"
     if strategy not in ('ddp', 'fsdp'): raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
     if n < 2: return 0.0
-    return {'ddp': 2, 'fsdp': 3}[strategy] * (n - 1) / n * nbytes / (busbw_gbs * 1e9)
+    calls = ddp_buckets(nbytes)  # FSDP: its units are not known here; as many calls as DDP's buckets
+    total = {'ddp': 2, 'fsdp': 3}[strategy] * (n - 1) / n * nbytes / (busbw_gbs * 1e9) + calls * latency
+    return dp_exposed(total, calls, strategy == 'fsdp', compute, overlap)
 
 # %% ../../nbs/07b_bench.throughput.ipynb #92f4cc39
 def scaling_rank(model_fn, batch, strategy:str='ddp', steps:int=10, warmup:int=3, loss_fn=None, amp=None) -> dict:
@@ -164,11 +169,16 @@ def scaling_rank(model_fn, batch, strategy:str='ddp', steps:int=10, warmup:int=3
     how, batch = BatchLoss.of(loss_fn), to_device(batch, device)
     opt, x = torch.optim.SGD(model.parameters(), lr=1e-4), _inputs(model, batch, how)
     step = lambda i: _batch_step(model, opt, how, batch, amp, device)
-    synced, local = statistics.median(time_fn(step, device, steps, warmup)), None
+    synced, local, link = statistics.median(time_fn(step, device, steps, warmup)), None, {}
     if n > 1 and strategy == 'ddp':
         with model.no_sync(): local = statistics.median(time_fn(step, device, steps, warmup))
+    if n > 1:  # what the sync model needs of the link: a tiny all-reduce's time, the overlap at the gradients' size
+        import torch.distributed as dist
+        tiny = torch.zeros(1, device=device)
+        link = dict(latency=statistics.median(time_fn(lambda i: dist.all_reduce(tiny), device, 20, 3)),
+                    overlap=overlap_share(grad_bytes)['share'])
     del model, opt, step; gc.collect()
-    return dict(step_s=synced, local_step_s=local, samples=x.shape[0], grad_bytes=grad_bytes)
+    return dict(step_s=synced, local_step_s=local, samples=x.shape[0], grad_bytes=grad_bytes, **link)
 
 # %% ../../nbs/07b_bench.throughput.ipynb #dc6306c5
 def _busbw_at(given, nbytes, n, timeout):
@@ -187,8 +197,16 @@ def _scaling_row(n, res, base, strategy, bw, bw_size):
     return dict(ranks=n, samples_s=thr, speedup=speedup, efficiency=100 * speedup * (base['ranks'] if base else n) / n,
                 step_ms=step * 1e3, overhead_ms=(step - max(local)) * 1e3 if local else None,
                 increase_ms=(step * 1e3 - base['step_ms']) if base else 0.0,
-                predicted_ms=predict_sync_seconds(strategy, grad, n, bw) * 1e3 if bw else None,
-                busbw=bw, busbw_bytes=bw_size, grad_bytes=grad)
+                predicted_ms=_sync_ms(strategy, res, n, bw, local),
+                busbw=bw, busbw_bytes=bw_size, grad_bytes=grad, compute_ms=max(local) * 1e3 if local else None,
+                **{k: statistics.fmean(r[k] for r in res) if n > 1 else None for k in ('latency', 'overlap')})
+
+def _sync_ms(strategy, res, n, bw, local):
+    "The sync a step waits for, predicted from busbw, the latency and overlap measured in the ranks, its compute"
+    if not bw: return None
+    mean = lambda k: statistics.fmean(r[k] for r in res)
+    return predict_sync_seconds(strategy, res[0]['grad_bytes'], n, bw, max(local) if local else 0.0,
+                                mean('overlap'), mean('latency')) * 1e3
 
 _SCALE_COLS = [('ranks', 'ranks'), ('samples/s', 'samples_s'), ('speed-up', 'speedup'), ('efficiency %', 'efficiency'),
                ('step ms', 'step_ms'), ('sync overhead ms (vs no_sync)', 'overhead_ms'),

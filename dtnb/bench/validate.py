@@ -7,7 +7,7 @@ Docs: https://dtnb-dev.github.io/dtnb/bench.validate.html.md"""
 # %% ../../nbs/07e_bench.validate.ipynb #c01b6fc5
 from __future__ import annotations
 import platform, statistics, time, warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, asdict
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.distributed as dist
 from ..core.models import TinyTransformer
@@ -16,11 +16,14 @@ from ..launcher.processes import launch
 from ..parallel.tensor import Degrees, parallelize, apply_tp
 from ..parallel.wrap import wrap
 from ..plan.memory import TransformerShape
+from ..plan.recommend import Node, step_parts, transformer_flops
+from .collectives import overlap_share
 
 # %% auto #0
 __all__ = ['LAYOUTS', 'DEFAULT_LAYOUTS', 'layout_degrees', 'shape_model', 'rank_sequences', 'local_model', 'sample_compute',
            'sample_dispatch', 'param_probe', 'activation_collectives', 'sample_collective', 'measure_layout',
-           'validate_rank', 'predict_parts', 'Validation', 'assemble', 'validate']
+           'validate_rank', 'predict_parts', 'call_cost', 'measure_link', 'here_node', 'Validation', 'assemble',
+           'validate']
 
 # %% ../../nbs/07e_bench.validate.ipynb #79abd0b4
 LAYOUTS = {  # name: the degrees of n ranks
@@ -220,6 +223,8 @@ def validate_rank(shape:TransformerShape, names:list, one:dict, steps:int=8, sec
     "In each rank of a group: every layout's parts sampled (`one`: the one-process samples), then its real steps"
     torch.set_num_threads(1); warnings.filterwarnings('ignore', category=UserWarning)
     n, busy, out = dist.get_world_size(), _Busy(), {}
+    whole = sample_compute(shape, Degrees(), steps, sync=True)['step']  # the whole model in every rank at once
+    link = measure_link(shape) | dict(flops=transformer_flops(shape) * shape.batch / whole)
     for name in names:
         d = layout_degrees(name, n, shape)
         c = sample_compute(shape, d, steps, sync=True)  # every rank at once, in step: the machine shared
@@ -228,18 +233,20 @@ def validate_rank(shape:TransformerShape, names:list, one:dict, steps:int=8, sec
         colls = [dict(op=op, nelem=k, before=b, count=cnt, s=sample_collective(op, k, b, busy, seconds))
                  for op, k, b, cnt in activation_collectives(shape, name, d, **one[name]['compute'])]
         dist.barrier()
-        out[name] = dict(compute=c, probe=probe, collectives=colls, measured=measure_layout(shape, name, steps))
+        out[name] = dict(compute=c, probe=probe, collectives=colls, measured=measure_layout(shape, name, steps),
+                         link=link)
     return out
 
 def _one_process(shape, names, n, steps):
-    "The samples that need one process: each layout's compute alone, tp's dispatch; 'single' measured too"
-    out = {}
+    "The samples that need one process: each layout's compute alone, tp's dispatch, the FLOP/s; 'single' measured too"
+    out, whole = {}, sample_compute(shape, Degrees(), steps)['step']
+    flops = transformer_flops(shape) * shape.batch / whole  # this machine's rate on the whole model, one process
     for name in names:
         d = layout_degrees(name, n, shape)
         c = sample_compute(shape, d, steps)
         out[name] = dict(compute=dict(forward=0.0, step=max(t['micro_batch'] for t in c['stages']))
                          if 'stages' in c else c,
-                         dispatch=sample_dispatch(shape, steps) if d.tp > 1 else 0.0)
+                         dispatch=sample_dispatch(shape, steps) if d.tp > 1 else 0.0, flops=flops)
         if name == 'single': out[name] |= dict(measured=measure_layout(shape, name, steps), rank=c)
     return out
 
@@ -253,6 +260,31 @@ def predict_parts(name:str, d:Degrees, one:dict, rank:dict) -> dict:
         return dict(compute=m * max(t) + opt, wrapper=0.0, communication=comm, bubble=sum(t) - max(t))
     return dict(compute=rank['compute']['step'], wrapper=one['dispatch'],
                 communication=comm + rank.get('probe', 0.0), bubble=0.0)
+
+# %% ../../nbs/07e_bench.validate.ipynb #45c76c64
+def call_cost(units:int=8, steps:int=16) -> float:
+    "Seconds one collective costs as a wrapper issues it here: FSDP2 on a tiny model of `units` Linears, at one token"
+    from torch.distributed.fsdp import fully_shard
+    make, x = lambda: nn.Sequential(*[nn.Linear(16, 16) for _ in range(units)]), torch.randn(1, 16)
+    plain, m = _trimmed(_times(_stepper(make(), x, x), steps, sync=True)), make()
+    for u in m: fully_shard(u)
+    fully_shard(m)
+    return max(0.0, _trimmed(_times(_stepper(m, x, x), steps, sync=True)) - plain) / (3 * units)  # 2 gathers, 1 reduce
+
+def measure_link(shape:TransformerShape, repeats:int=8) -> dict:
+    "In each rank of a group: a `Node`'s figures for this link: per-call cost, busbw of the gradients, overlap"
+    n, tiny, grads = dist.get_world_size(), torch.zeros(1), torch.randn(shape.params())
+    all_reduce = lambda t: lambda: dist.all_reduce(t)
+    latency = _trimmed(_times(all_reduce(tiny), 4 * repeats))
+    whole = _trimmed(_times(all_reduce(grads), repeats, sync=True))
+    busbw = 2 * (n - 1) / n * grads.numel() * 4 / max(whole - latency, 1e-9)
+    overlap = overlap_share(grads.numel() * 4, repeats)['share']
+    return dict(latency=latency, call=max(latency, call_cost()), busbw=busbw, overlap=overlap)
+
+def here_node(flops:float, link:dict|None=None) -> Node:
+    "The step-time model's `Node` for this machine: its measured FLOP/s, and its link's figures (none: one process)"
+    l = link or dict(call=0.0, busbw=float('inf'), overlap=1.0)
+    return Node(devices=1, flops=flops, intra=l['busbw'], inter=l['busbw'], latency=l['call'], overlap=l['overlap'])
 
 # %% ../../nbs/07e_bench.validate.ipynb #3e0bb07e
 def _machine() -> dict:
@@ -279,47 +311,72 @@ class Validation:
     def mean_abs_error(self) -> float: return statistics.mean(abs(e) for e in self.errors())
     @property
     def max_abs_error(self) -> float: return max(abs(e) for e in self.errors())
+    @property
+    def model_mean_abs_error(self) -> float:
+        "The layout model's mean |error| on 2 ranks (one process is its calibration)"
+        es = [abs(r['model_error']) for r in self.rows if r['ranks'] == 2 and 'model_error' in r]
+        return statistics.mean(es) if es else float('nan')
+    def ranking(self) -> list:
+        "Per number of ranks: the layout the model ranks first, the measured fastest, and what the model's pick costs"
+        out = []
+        for n in sorted({r['ranks'] for r in self.rows if r['ranks'] > 1 and 'model' in r}):
+            rs = [r for r in self.rows if r['ranks'] == n]
+            pick, best = min(rs, key=lambda r: r['model']), min(rs, key=lambda r: r['measured'])
+            out.append(dict(ranks=n, pick=pick['layout'], fastest=best['layout'],
+                            slower=pick['measured'] / best['measured'] - 1))
+        return out
 
     _cols = ('layout', 'ranks', 'predicted ms', 'measured ms', 'error', 'noise', 'compute', 'wrapper',
-             'communication', 'bubble')
+             'communication', 'bubble', 'layout model ms', 'its error')
     def table(self) -> list:
         ms = lambda s: f"{s * 1e3:.1f}"
         return [(r['layout'], r['ranks'], ms(r['predicted']), ms(r['measured']), f"{r['error']:+.1%}",
-                 f"±{r['noise']:.1%}", *[ms(r['parts'][k]) for k in ('compute', 'wrapper', 'communication', 'bubble')])
+                 f"±{r['noise']:.1%}", *[ms(r['parts'][k]) for k in ('compute', 'wrapper', 'communication', 'bubble')],
+                 ms(r['model']) if 'model' in r else '-', f"{r['model_error']:+.1%}" if 'model' in r else '-')
                 for r in self.rows]
+    def _picks(self) -> str:
+        return ''.join(f"\nlayout model on {k['ranks']} ranks: ranks {k['pick']} first; measured fastest {k['fastest']}"
+                       + (f" ({k['pick']} measured {k['slower']:+.0%})" if k['pick'] != k['fastest'] else '')
+                       for k in self.ranking())
     def headline(self) -> str:
         s = self.shape
         return (f"{s.layers} layers, hidden {s.hidden}, {s.heads} heads, {s.seq_len} tokens x {s.batch} sequences per "
                 f"rank; {self.link}; mean |error| {self.mean_abs_error:.1%}, largest {self.max_abs_error:.1%} "
-                "(1 and 2 ranks)")
+                f"(1 and 2 ranks); layout model {self.model_mean_abs_error:.1%} (2 ranks)")
     def to_dict(self) -> dict:
-        from dataclasses import asdict
         return dict(shape=asdict(self.shape), link=self.link, machine=self.machine, rows=self.rows,
-                    mean_abs_error=self.mean_abs_error, max_abs_error=self.max_abs_error, skipped=self.skipped)
+                    mean_abs_error=self.mean_abs_error, max_abs_error=self.max_abs_error, skipped=self.skipped,
+                    model_mean_abs_error=self.model_mean_abs_error, ranking=self.ranking())
     def _skips(self, bullet): return ''.join(f"\n{bullet}skipped: {s}" for s in self.skipped)
-    def __str__(self): return self.headline() + '\n' + text_table(self._cols, self.table()) + self._skips('')
+    def __str__(self): return self.headline() + '\n' + text_table(self._cols, self.table()) + self._picks() \
+        + self._skips('')
     def _repr_markdown_(self):
-        return f"**{self.headline()}**\n\n" + md_table(self._cols, self.table()) + '\n' * bool(self.skipped) \
-            + self._skips('- ')
+        notes = self._picks().replace('\n', '\n- ') + self._skips('- ')
+        return f"**{self.headline()}**\n\n" + md_table(self._cols, self.table()) + '\n' * bool(notes) + notes
 
 # %% ../../nbs/07e_bench.validate.ipynb #ecc82fd8
 def _noise(ts) -> float:
     "The spread of measured steps: their standard deviation over their mean"
     return statistics.pstdev(ts) / statistics.mean(ts) if len(ts) > 1 else 0.0
 
-def _row(name, n, d, one, ranks):
+def _row(shape, name, n, d, one, ranks):
     "The row of layout `name` on `n` ranks from the one-process samples and each rank's results"
     parts = [predict_parts(name, d, one[name], r) for r in ranks]
     p = {k: statistics.mean(q[k] for q in parts) for k in parts[0]}  # every rank samples the same parts: their mean
     per_rank = [_trimmed(r['measured']) for r in ranks]
     slow = per_rank.index(max(per_rank))
     pred, meas = sum(p.values()), per_rank[slow]
+    links = [r['link'] for r in ranks if 'link' in r]  # every rank measured the same link: their mean
+    link = {k: statistics.mean(l[k] for l in links) for k in links[0]} if links else None
+    node = here_node(link['flops'] if link else one[name]['flops'], link)
+    mp = step_parts(shape, d, 'fp32', node)
     return dict(layout=name, ranks=n, degrees=d.to_dict(), predicted=pred, measured=meas, error=pred / meas - 1,
-                noise=_noise(ranks[slow]['measured']), parts=p)
+                noise=_noise(ranks[slow]['measured']), parts=p, model=sum(mp.values()),
+                model_error=sum(mp.values()) / meas - 1, model_parts=mp, node=asdict(node) if links else None)
 
 def assemble(shape:TransformerShape, n:int, names:list, one:dict, ranks:list) -> list:
     "The rows of `n`-rank layouts `names`: `one` from the one-process samples, `ranks` from `validate_rank`"
-    return [_row(name, n, layout_degrees(name, n, shape), one, [r[name] for r in ranks]) for name in names]
+    return [_row(shape, name, n, layout_degrees(name, n, shape), one, [r[name] for r in ranks]) for name in names]
 
 # %% ../../nbs/07e_bench.validate.ipynb #0b569954
 def validate(shape:TransformerShape|None=None, # the model to predict and run; default 4 layers, hidden 128
@@ -339,7 +396,8 @@ def validate(shape:TransformerShape|None=None, # the model to predict and run; d
         else: names, skipped = _runnable(names, n, shape, skipped)
         one = launch(_one_process, shape, names, n, steps, nprocs=1, threads=1, device='cpu', timeout=timeout)[0]
         if n == 1:
-            rows += [_row(name, 1, Degrees(), one, [dict(compute=one[name]['rank'], measured=one[name]['measured'])])
+            rows += [_row(shape, name, 1, Degrees(), one,
+                          [dict(compute=one[name]['rank'], measured=one[name]['measured'])])
                      for name in names]
             continue
         res = launch(validate_rank, shape, names, one, steps, seconds, nprocs=n, threads=1, device='cpu',

@@ -16,21 +16,22 @@ from .wrap import wrap
 from ..core.models import find_blocks
 from .pipeline import Pipeline, pipeline_stages
 from .ulysses import ulysses
+from .heads import FUSED, is_conv1d, features, head_specs, split_heads, conv1d_parallel
 
 # %% auto #0
 __all__ = ['COLWISE', 'ROWWISE', 'tp_pairs', 'tp_plan', 'apply_tp', 'Degrees', 'apply_ac', 'apply_dp', 'data_rank', 'parallelize']
 
 # %% ../../nbs/03g_parallel.tensor.ipynb #68eacbdb
 COLWISE = ('up', 'gate', 'w1', 'w3', 'fc1', 'c_fc', 'q', 'k', 'v', 'wq', 'wk', 'wv', 'q_proj', 'k_proj', 'v_proj',
-           'up_proj', 'gate_proj', 'query', 'key', 'value')
-ROWWISE = ('down', 'w2', 'fc2', 'o', 'wo', 'out_proj', 'o_proj', 'down_proj', 'dense')
+           'up_proj', 'gate_proj', 'query', 'key', 'value', 'dense_h_to_4h')
+ROWWISE = ('down', 'w2', 'fc2', 'o', 'wo', 'out_proj', 'o_proj', 'down_proj', 'dense', 'c_proj', 'dense_4h_to_h')
 
 def tp_pairs(model:nn.Module) -> dict:
     "Modules whose Linear children split colwise then rowwise: {module name: (colwise children, rowwise children)}"
     out = {}
     for name, m in model.named_modules():
-        lin = {n: c for n, c in m.named_children() if isinstance(c, nn.Linear)}
-        col, row = [n for n in lin if n in COLWISE], [n for n in lin if n in ROWWISE]
+        lin = {n: c for n, c in m.named_children() if isinstance(c, nn.Linear) or is_conv1d(c)}
+        col, row = [n for n in lin if n in COLWISE or n in FUSED], [n for n in lin if n in ROWWISE]
         if col and row: out[name] = (col, row)
     return out
 
@@ -83,12 +84,15 @@ def _check_divisible(model, plan, tp):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     for name, style in plan.items():
         for mn, m in model.named_modules():
-            if not fnmatch.fnmatch(mn, name) or not isinstance(m, nn.Linear): continue
-            dim, what = ((m.out_features, 'output features') if isinstance(style, ColwiseParallel) else
-                         (m.in_features, 'input features') if isinstance(style, RowwiseParallel) else (None, None))
+            if not fnmatch.fnmatch(mn, name) or not (isinstance(m, nn.Linear) or is_conv1d(m)): continue
+            (o, i), col = features(m), isinstance(style, ColwiseParallel)
+            dim, what = ((o, 'output features') if col else
+                         (i, 'input features') if isinstance(style, RowwiseParallel) else (None, None))
             if dim is not None and dim % tp:
                 raise ValueError(f"{mn} has {dim} {what}, which do not split into tp={tp} equal parts: choose a "
                                  f"tensor-parallel degree dividing {dim}")
+
+def _matching(model, pattern): return [m for n, m in model.named_modules() if fnmatch.fnmatch(n, pattern)]
 
 def _needs_sequence(module, args):
     x = args[0] if args else None
@@ -104,9 +108,13 @@ def apply_tp(model:nn.Module, mesh, plan:dict|None=None, sequence_parallel:bool=
     names = [n for n, _ in model.named_modules()]
     plan = {k: v for k, v in plan.items() if any(fnmatch.fnmatch(n, k) for n in names)}  # what this model/stage holds
     _check_divisible(model, plan, mesh.size())
+    split_heads(model, head_specs(model, plan, mesh.size(), sequence_parallel), mesh.size())  # checked, then changed
     if sequence_parallel:
         for stack in _stacks(model, layer_cls): model.get_submodule(stack[0]).register_forward_pre_hook(_needs_sequence)
-    return parallelize_module(model, mesh, plan)
+    conv = {k for k in plan if all(is_conv1d(m) for m in _matching(model, k))}  # GPT-2's layers: torch's styles refuse
+    for k in conv:
+        for m in _matching(model, k): conv1d_parallel(m, mesh, plan[k])
+    return parallelize_module(model, mesh, {k: v for k, v in plan.items() if k not in conv})
 
 # %% ../../nbs/03g_parallel.tensor.ipynb #c8e2e856
 _DIMS = ('pp', 'dp_replicate', 'dp_shard', 'sp', 'tp')  # mesh order: the most talkative innermost (neighbours)

@@ -15,6 +15,7 @@ from ..core.batches import BatchLoss
 from .activations import ActivationTrace, trace_activations
 from ..parallel.pipeline_split import split_model, chain_problem, traced_stage_tensors
 from ..parallel.tensor import Degrees, tp_plan
+from ..parallel.heads import is_conv1d, features, head_specs, split_heads
 from ..parallel.ulysses import check_sp
 
 # %% auto #0
@@ -339,22 +340,19 @@ def layout_coords(degrees:Degrees, rank:int) -> dict:
 
 # %% ../../nbs/04a_plan.memory.ipynb #2c6da572
 def tp_linears(model:nn.Module, tp:int) -> dict:
-    "{name: (out, in) features on one of `tp` ranks} of each Linear that `tp_plan(model)` splits"
+    "{name: (out, in, colwise) features on one of `tp` ranks} of each Linear (or `Conv1D`) that `tp_plan` splits"
     if tp == 1: return {}
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     plan, out = tp_plan(model), {}
     for name, m in model.named_modules():
         style = next((v for k, v in plan.items() if fnmatch.fnmatch(name, k)), None)
-        if not isinstance(m, nn.Linear) or not isinstance(style, (ColwiseParallel, RowwiseParallel)): continue
-        col = isinstance(style, ColwiseParallel)
-        dim, what = (m.out_features, 'output') if col else (m.in_features, 'input')
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)) or not (oi := features(m)): continue
+        (o, i), col = oi, isinstance(style, ColwiseParallel)
+        dim, what = (o, 'output') if col else (i, 'input')
         if dim % tp: raise ValueError(f"{name} has {dim} {what} features, which do not split into tp={tp} equal "
                                       f"parts: choose a tensor-parallel degree dividing {dim}")
-        hd = getattr(model.get_submodule(name.rpartition('.')[0]), 'head_dim', None)  # attention: whole heads
-        if col and isinstance(hd, int) and (dim // tp) % hd:
-            raise ValueError(f"{name} has {dim // hd} heads of {hd} features, which do not split into tp={tp} equal "
-                             f"parts: choose a tensor-parallel degree dividing {dim // hd}")
-        out[name] = (m.out_features // tp, m.in_features, True) if col else (m.out_features, m.in_features // tp, False)
+        out[name] = (o // tp, i, True) if col else (o, i // tp, False)
+    head_specs(model, plan, tp)  # whole heads, fused layers, stored head counts: refused here as apply_tp refuses them
     return out
 
 def tp_shapes(model:nn.Module, tp:int) -> dict:
@@ -362,7 +360,7 @@ def tp_shapes(model:nn.Module, tp:int) -> dict:
     out = {}
     for name, (o, i, col) in tp_linears(model, tp).items():
         m = model.get_submodule(name)
-        out[id(m.weight)] = (o, i)
+        out[id(m.weight)] = (i, o) if is_conv1d(m) else (o, i)  # GPT-2's Conv1D: weight (in, out)
         if col and m.bias is not None: out[id(m.bias)] = (o,)
     return out
 
@@ -384,12 +382,12 @@ def layout_sizes(model:nn.Module, degrees:Degrees, rank:int=0, example=None, uni
 
 # %% ../../nbs/04a_plan.memory.ipynb #aa4a06f7
 def tp_local(model:nn.Module, tp:int) -> nn.Module:
-    "A copy of `model` whose Linears that `tp_plan` splits are one rank's slices, on the meta device"
+    "A copy of `model` (on meta) whose split Linears are one rank's slices, and its attention one rank's heads"
     local = copy.deepcopy(model)
     for name, (o, i, _) in tp_linears(model, tp).items():
         m = model.get_submodule(name)
         local.set_submodule(name, nn.Linear(i, o, m.bias is not None, device='meta', dtype=m.weight.dtype))
-    return local
+    return split_heads(local, dict(head_specs(model, tp_plan(model), tp), fused={}), tp)  # rows: already one rank's
 
 def _layout_activations(model, d, stage, batch, loss_fn, shape, activations, precision, ac, units, sp):
     "(bytes, source) of the activations on a rank of stage `stage` of the layout `d`"

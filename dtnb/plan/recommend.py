@@ -16,8 +16,8 @@ from .memory import tp_linears
 from ..parallel.tensor import Degrees
 
 # %% auto #0
-__all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'Node', 'step_parts', 'step_collectives', 'step_time',
-           'memory_explorer']
+__all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'transformer_flops', 'Node', 'step_parts',
+           'dp_exposed', 'step_collectives', 'ddp_buckets', 'step_time', 'memory_explorer']
 
 # %% ../../nbs/04b_plan.recommend.ipynb #57e94ad1
 def _ladder(ws, activation_checkpointing=True):
@@ -219,6 +219,12 @@ def _splits(model, tp):
     except ValueError: return False
 
 # %% ../../nbs/04b_plan.recommend.ipynb #34ebd299
+def transformer_flops(shape:TransformerShape, activation_checkpointing:bool=False) -> float:
+    "Training FLOPs of one sequence of `shape`: Megatron-LM's 72sLh²(1 + s/6h + v/12hL), 96 with recomputation"
+    s, L, h, v = shape.seq_len, shape.layers, shape.hidden, shape.vocab
+    return (96 if activation_checkpointing else 72) * s * L * h * h * (1 + s / (6 * h) + v / (12 * h * L))
+
+# %% ../../nbs/04b_plan.recommend.ipynb #02b06b34
 @dataclass
 class Node:
     "What the step time model assumes of a node"
@@ -227,6 +233,7 @@ class Node:
     intra:float=450e9            # bytes/s of an all-reduce inside the node (NVLink)
     inter:float=50e9             # bytes/s across nodes (400 Gb/s)
     latency:float=0.0            # seconds each collective or send costs beside its bytes (a tiny one's time; 0: none)
+    overlap:float=1.0            # share of the compute that dp's collectives run behind (GPUs: on their own stream)
 
 def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISION, node:Node=Node(),
                activation_checkpointing:bool=False) -> dict:
@@ -234,7 +241,7 @@ def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISIO
     p, n, m = PRECISIONS[precision], d.world_size, 2 * d.pp
     s, h = shape.seq_len, shape.hidden
     tok = shape.batch * n / d.dp / d.sp * s  # tokens of each rank's tp group: its sequences, a 1/sp slice of each
-    compute = 6 * shape.params() * s * shape.batch / node.flops * (4 / 3 if activation_checkpointing else 1)
+    compute = transformer_flops(shape, activation_checkpointing) * shape.batch / node.flops
     bubble = (d.pp - 1) / m * compute
     ar = lambda k, b, link: 2 * (k - 1) / k * b / link
     link = lambda ranks: node.intra if ranks <= node.devices else node.inter  # a group of consecutive ranks
@@ -248,19 +255,33 @@ def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISIO
           ar(rep, g / fs, link(d.tp * fs * rep)))  # replicas (DDP, HSDP): all-reduce of the shards
     pp = 2 * tok * h * p.activations / node.inter if d.pp_enabled else 0
     n = step_collectives(shape, d, g / fs)
+    dp = dp_exposed(dp + n['dp'] * node.latency, n['dp'], d.dp_shard_enabled, compute, node.overlap,
+                    activation_checkpointing)
     return dict(compute=compute, bubble=bubble, tp=tp + n['tp'] * node.latency, sp=sp + n['sp'] * node.latency,
-                dp=dp + n['dp'] * node.latency, pp=pp + n['pp'] * node.latency)
+                dp=dp, pp=pp + n['pp'] * node.latency)
+
+def dp_exposed(seconds:float, calls:int, sharded:bool, compute:float, overlap:float=1.0,
+               activation_checkpointing:bool=False) -> float:
+    "What the step waits for of `seconds` of data-parallel collectives (`calls` of them) run behind `compute`"
+    if not calls: return seconds
+    # DDP's buckets start as the backward fills them; FSDP gathers the next unit's parameters during the forward too
+    behind = compute * (1 if sharded else 3 / 4 if activation_checkpointing else 2 / 3) * overlap
+    tail = seconds * min(1.0, (2 if sharded else 1) / calls)  # the last bucket (FSDP: first gather, last reduce)
+    return max(tail, seconds - behind)
 
 def step_collectives(shape:TransformerShape, d:Degrees, grad_bytes:float=0) -> dict:
     "Collectives (pipeline: sends) one rank starts in a step, by part; each costs `Node.latency` beside its bytes"
     mb, units = 2 * d.pp if d.pp_enabled else 1, shape.layers / d.pp + 1  # FSDP's and replicate's: blocks, the root
-    ddp = 1 + -(-max(0, grad_bytes - 2**20) // (25 * 2**20))  # DDP's buckets: 1 MiB first, then 25 MiB
-    rep = units if (d.tp_enabled or d.pp_enabled or d.dp_shard_enabled) else ddp
+    rep = units if (d.tp_enabled or d.pp_enabled or d.dp_shard_enabled) else ddp_buckets(grad_bytes)
     replicas = d.dp_replicate_enabled or (d.sp_enabled and not d.dp_shard_enabled)  # sp ranks' gradients: summed
     return dict(tp=4 * shape.layers / d.pp * mb * d.tp_enabled,  # two all-reduces forward, two backward, per layer
                 sp=8 * shape.layers * d.sp_enabled,  # Ulysses' all-to-alls: 4 forward, 4 backward, per layer
                 dp=3 * units * d.dp_shard_enabled + rep * replicas,  # gather, gather, reduce-scatter
                 pp=2 * mb * d.pp_enabled)  # each microbatch's activations forward, their gradients back
+
+def ddp_buckets(grad_bytes:float) -> int:
+    "All-reduces DDP starts for `grad_bytes` of gradients: a first bucket of 1 MiB, then buckets of 25 MiB"
+    return 1 + -(-max(0, grad_bytes - 2**20) // (25 * 2**20))
 
 def step_time(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISION, node:Node=Node(),
               activation_checkpointing:bool=False) -> float:
