@@ -90,8 +90,8 @@ install() {  # into a venv over PYTHON's packages (torch stays the preinstalled 
   # --no-compile: the modules compile on first import anyway
   "${PIP[@]}" install --no-index --no-compile --find-links "$WHEELS" -r "${TMPDIR:-/tmp}/dtnb-gpu-requirements.txt" \
     || return 1
-  # dtnb itself without its dependencies: the check runs on the machine's own torch, which may be older than dtnb's
-  # floor (the image's is 2.11, the floor 2.13): pip would refuse it, and the check is there to see what it does
+  # dtnb itself without its dependencies: the check runs on the machine's own torch (the image's is 2.11, within the
+  # floor, 2.10), never another one pip might pull in
   "${PIP[@]}" install --no-index --no-compile --no-deps --find-links "$WHEELS" -e . || return 1
   "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
   export PATH="$BIN:$PATH"

@@ -2,7 +2,7 @@
 # The suite once more on a torch that users install, in a venv of its own (CI: .ci/run):
 #   bash tools/test_torch_build.sh PYTHON TORCH_SPEC [VENV]
 #   e.g. python3.12 torch          PyPI's default build of the newest torch: the CUDA one, also without a GPU
-#        python3.10 "torch==2.13"  the oldest torch pyproject.toml declares (torch>=2.13), on the oldest Python
+#        python3.10 "torch==2.10.0"  the oldest torch pyproject.toml declares (torch>=2.10), on the oldest Python
 # torch comes from PyPI as `pip install torch` gives it: PIP_FIND_LINKS and the pip configuration (which point some
 # machines at a local CPU wheel) are left out for that one install.
 # pytest only, and only what differs between torch builds (marker `builds`, listed in tests/conftest.py's BUILDS):
@@ -25,7 +25,13 @@ if ! "$PY" -c '' 2>/dev/null; then
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q $SPEC  # unquoted: may carry options
-env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q -e ".[dev]"
+# `pip install dtnb` over a torch the user has keeps it: dtnb alone first, then the test extras held to that torch
+before=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
+env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q -e .
+after=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
+[ "$before" = "$after" ] || { echo "test_torch_build: installing dtnb replaced torch $before with $after" >&2; exit 1; }
+echo "torch==${before%%+*}" > "$VENV/torch-constraint.txt"
+env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q -e ".[dev]" -c "$VENV/torch-constraint.txt"
 "$VENV/bin/python" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__)"
 # The namespace-host tests (markers cluster, cluster_long) are left to `run.sh test-long` on the CPU wheel: their
 # subject is sockets and processes, and they would add 10 minutes per build.

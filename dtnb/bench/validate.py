@@ -283,8 +283,9 @@ def measure_link(shape:TransformerShape, repeats:int=8) -> dict:
 
 def here_node(flops:float, link:dict|None=None) -> Node:
     "The step-time model's `Node` for this machine: its measured FLOP/s, and its link's figures (none: one process)"
-    l = link or dict(call=0.0, busbw=float('inf'), overlap=1.0)
-    return Node(devices=1, flops=flops, intra=l['busbw'], inter=l['busbw'], latency=l['call'], overlap=l['overlap'])
+    l = link or dict(latency=0.0, call=0.0, busbw=float('inf'), overlap=1.0)
+    return Node(devices=1, flops=flops, intra=l['busbw'], inter=l['busbw'], latency=l['latency'],
+                call=max(0.0, l['call'] - l['latency']), overlap=l['overlap'], streams=False)
 
 # %% ../../nbs/07e_bench.validate.ipynb #3e0bb07e
 def _machine() -> dict:

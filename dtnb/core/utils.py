@@ -13,11 +13,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 # %% auto #0
-__all__ = ['DTYPES', 'PRECISIONS', 'DEFAULT_PRECISION', 'md_table', 'text_table', 'fmt_bytes', 'parse_size', 'percentile',
-           'cache', 'in_notebook', 'progress_bar', 'StepProgress', 'tree_map_tensors', 'tensors', 'to_device',
-           'cast_inputs', 'cpu_pinned', 'accelerators', 'accelerator_type', 'default_device', 'synchronize',
-           'placement', 'dtype_name', 'as_dtype', 'Precision', 'check_precision', 'precision_for', 'autocast',
-           'shard_numel']
+__all__ = ['TORCH_NEEDS', 'DTYPES', 'PRECISIONS', 'DEFAULT_PRECISION', 'md_table', 'text_table', 'fmt_bytes', 'parse_size',
+           'percentile', 'cache', 'in_notebook', 'progress_bar', 'StepProgress', 'torch_version', 'needs_torch',
+           'tree_map_tensors', 'tensors', 'to_device', 'cast_inputs', 'cpu_pinned', 'accelerators', 'accelerator_type',
+           'default_device', 'synchronize', 'placement', 'dtype_name', 'as_dtype', 'Precision', 'check_precision',
+           'precision_for', 'autocast', 'shard_numel']
 
 # %% ../../nbs/00_core.utils.ipynb #2c24aabb
 def md_table(header, rows) -> str:
@@ -112,6 +112,29 @@ class StepProgress:
     def close(self):
         if self.bar is not None: self.bar.close()
 
+# %% ../../nbs/00_core.utils.ipynb #507822e0
+TORCH_NEEDS = {  # feature: ((major, minor) it needs, what goes wrong before)
+    'zbvzerobubble': ((2, 12), "torch's zero-bubble V schedule does not run dtnb's stages as one process before 2.12"),
+    'dualpipev': ((2, 12), "torch's DualPipeV schedule does not run dtnb's stages as one process before 2.12"),
+    'integer tensors between pipeline stages': ((2, 13), "torch's pipeline stages ask a gradient of every tensor "
+        "they receive, and integer ones (token ids, positions, masks) cannot have one"),
+    'bf16-true against fp32 targets': ((2, 12), "torch's losses fail in the backward on a bf16 output against fp32 "
+        "targets"),
+    'sequence parallel in a pipeline': ((2, 11), "torch's pipeline scales the gradients in place, which DTensor "
+        "refuses for sequence parallel's partial sums"),
+}
+
+def torch_version(v:str|None=None) -> tuple:
+    "(major, minor) of this torch, or of version string `v`"
+    return tuple(int(x) for x in re.match(r'(\d+)\.(\d+)', v or torch.__version__).groups())
+
+def needs_torch(feature:str, fix:str='upgrade torch'):
+    "Stop with the torch version `feature` needs and why, where this torch is older; `fix`: what else the user can do"
+    (major, minor), why = TORCH_NEEDS[feature]
+    if torch_version() < (major, minor):
+        raise RuntimeError(f"{feature} needs torch >= {major}.{minor}, and this is torch {torch.__version__}: {why} "
+                           f"(fixed in {major}.{minor}); {fix}")
+
 # %% ../../nbs/00_core.utils.ipynb #affa2f25
 def tree_map_tensors(fn, batch):
     "`batch` with `fn` applied to every tensor in it (tuples, lists, dicts, namedtuples kept as they are)"
@@ -125,11 +148,23 @@ def to_device(batch, device, non_blocking:bool=False):
     "`batch` (tensors in nested tuples, lists, dicts) on `device`"
     return tree_map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
 
-def cast_inputs(batch, dtype, target_key:str='labels'):
+def _targets_ok(targets, dtype):
+    "Stop where torch cannot train a `dtype` model against floating-point targets of another dtype"
+    if dtype == torch.bfloat16 and torch_version() < TORCH_NEEDS['bf16-true against fp32 targets'][0]:
+        fp = lambda t: t.is_floating_point() and t.dtype != dtype
+        if any(fp(t) for t in pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)):
+            needs_torch('bf16-true against fp32 targets', "or cast the targets to bf16 in your data, or train in "
+                        "precision='bf16-mixed'")
+
+def cast_inputs(batch, dtype, target_key:str='labels',
+                train:bool=True): # the batch will be trained on (False: traced, no backward runs on it)
     "`batch` with the floating-point tensors of its inputs in `dtype`, its targets as they are"
     cast = lambda x: tree_map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, x)
-    if isinstance(batch, Mapping): return {k: v if k == target_key else cast(v) for k, v in batch.items()}
+    if isinstance(batch, Mapping):
+        if train: _targets_ok(batch.get(target_key), dtype)
+        return {k: v if k == target_key else cast(v) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)) and len(batch) > 1:  # (inputs, targets, ...), namedtuples too
+        if train: _targets_ok(batch[1:], dtype)
         items = [cast(batch[0]), *batch[1:]]
         return type(batch)(*items) if hasattr(batch, '_fields') else type(batch)(items)
     return cast(batch)  # a tensor, or a batch of inputs only

@@ -10,7 +10,7 @@ import time, functools
 from collections.abc import Mapping
 import torch
 from torch import nn
-from ..core.utils import synchronize, cache
+from ..core.utils import synchronize, cache, needs_torch, TORCH_NEEDS
 from ..core.dist import require_group, broadcast_from_rank0, current_device
 from .pipeline_split import PipelineSplit, split_model, stage_module, chain_problem, trace_stages
 from ..core.batches import output_logits
@@ -150,6 +150,7 @@ class Pipeline:
         self.stages = [_make_stage(mod, s, n_stages, self.device, self.group, self.trace)
                        for mod, s in zip(self.modules, self.stage_indices)]
         self._tied = self._tied_copies()
+        if self.schedule_name in TORCH_NEEDS: needs_torch(self.schedule_name, "or choose another schedule")
         cls = getattr(schedules, SCHEDULES[self.schedule_name][0], None)
         if cls is None:
             raise ValueError(f"schedule {self.schedule_name!r} needs a newer torch than {torch.__version__}")
@@ -212,7 +213,12 @@ class Pipeline:
         kw = dict(target=targets.to(self.device), losses=losses) if self.has_last else {}
         if train:
             before = [[None if p.grad is None else _local(p.grad).float().clone() for p, _ in c] for _, c in self._tied]
-            self.schedule.step(*args, **kw)
+            try: self.schedule.step(*args, **kw)
+            except RuntimeError as e:
+                if 'floating point dtype can require gradients' in str(e):  # torch < 2.13 on a traced model's ids
+                    needs_torch('integer tensors between pipeline stages', "or cut where only floating-point "
+                                "activations cross (split_points=)")
+                raise
             self._sum_tied_grads(before)
         else:
             with torch.no_grad(): self.schedule.eval(*args, **kw)

@@ -10,7 +10,7 @@ import fnmatch
 from dataclasses import dataclass, asdict
 import torch
 from torch import nn
-from ..core.utils import md_table, text_table
+from ..core.utils import md_table, text_table, needs_torch
 from ..core.dist import require_group, current_device, world_size
 from .wrap import wrap
 from ..core.models import find_blocks
@@ -270,6 +270,7 @@ def parallelize(model:nn.Module,
     if degrees.pp_enabled and loss_fn is None:
         raise ValueError(f"pp={degrees.pp}: a pipeline computes the loss on its last stage and trains with "
                          "step(inputs, targets); pass loss_fn=")
+    if sequence_parallel and degrees.pp_enabled: needs_torch('sequence parallel in a pipeline', "or drop one of them")
     if degrees.sp_enabled and degrees.pp_enabled:
         raise ValueError(f"sp={degrees.sp} splits the sequences of the whole model's inputs and labels, which a "
                          f"pipeline's stages never see (pp={degrees.pp}): use sp with dp_shard, dp_replicate and tp")

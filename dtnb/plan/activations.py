@@ -117,7 +117,7 @@ def _prepare(model, batch, precision, fake):
         params |= {k: half(conv(b.detach())).requires_grad_(b.requires_grad) for k, b in model.named_buffers()}
     batch = tree_map_tensors(conv, batch)
     if cast:  # the inputs, as fit feeds a bf16 model (`utils.cast_inputs`): targets keep their dtype
-        with mode: batch = cast_inputs(batch, torch.bfloat16)
+        with mode: batch = cast_inputs(batch, torch.bfloat16, train=False)
     return mode, params, batch
 
 # %% ../../nbs/04_plan.activations.ipynb #519ed8dd

@@ -233,7 +233,9 @@ class Node:
     intra:float=450e9            # bytes/s of an all-reduce inside the node (NVLink)
     inter:float=50e9             # bytes/s across nodes (400 Gb/s)
     latency:float=0.0            # seconds each collective or send costs beside its bytes (a tiny one's time; 0: none)
+    call:float=0.0               # seconds more of the rank's own time for each collective FSDP or DTensor issues
     overlap:float=1.0            # share of the compute that dp's collectives run behind (GPUs: on their own stream)
+    streams:bool=True            # collectives on streams of their own: without (CPU), FSDP's block the rank
 
 def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISION, node:Node=Node(),
                activation_checkpointing:bool=False) -> dict:
@@ -255,10 +257,12 @@ def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISIO
           ar(rep, g / fs, link(d.tp * fs * rep)))  # replicas (DDP, HSDP): all-reduce of the shards
     pp = 2 * tok * h * p.activations / node.inter if d.pp_enabled else 0
     n = step_collectives(shape, d, g / fs)
-    dp = dp_exposed(dp + n['dp'] * node.latency, n['dp'], d.dp_shard_enabled, compute, node.overlap,
-                    activation_checkpointing)
-    return dict(compute=compute, bubble=bubble, tp=tp + n['tp'] * node.latency, sp=sp + n['sp'] * node.latency,
-                dp=dp, pp=pp + n['pp'] * node.latency)
+    fsdp = 3 * (shape.layers / d.pp + 1) * d.dp_shard_enabled  # FSDP's gathers and reduce-scatters, issued in Python
+    dp = dp_exposed(dp + n['dp'] * node.latency + fsdp * node.call, n['dp'], d.dp_shard_enabled, compute,
+                    node.overlap if node.streams or not d.dp_shard_enabled else 0.0, activation_checkpointing)
+    per = node.latency + node.call  # tp's and sp's collectives come from DTensor and Ulysses, in Python too
+    return dict(compute=compute, bubble=bubble, tp=tp + n['tp'] * per, sp=sp + n['sp'] * per, dp=dp,
+                pp=pp + n['pp'] * node.latency)
 
 def dp_exposed(seconds:float, calls:int, sharded:bool, compute:float, overlap:float=1.0,
                activation_checkpointing:bool=False) -> float:
