@@ -4,6 +4,7 @@ them (JSON and Markdown) to --out. Not a test: the figures are this machine's.
 
     .venv/bin/python benchmarks/bench_step_model.py --out benchmarks/results/DATE-cpu-validation
     sudo .venv/bin/python benchmarks/bench_step_model.py --links --out ...     # also 1 Gbit/s and 100 Mbit/s links
+    .venv/bin/python benchmarks/bench_step_model.py --remodel --out ...        # the layout model's column again
 
 Each layout's step is predicted from parts measured apart (its compute stepped by plain modules in every rank at
 once, its parameters' communication by the wrapped model at one token, its activation collectives one by one after
@@ -54,6 +55,34 @@ def over_link(c, rate, shape, names, one, steps, seconds, tmp):
     return res
 
 
+def write(out, results):
+    "validation.json and validation.md of `results`, [(size, Validation)], in folder `out`"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'validation.json').write_text(json.dumps([dict(size=s, **v.to_dict()) for s, v in results], indent=1))
+    (out / 'validation.md').write_text('\n\n'.join(f"### {s}: {v.link}\n\n{v._repr_markdown_()}"
+                                                   for s, v in results) + '\n')
+    print(f"wrote {out}/validation.json and validation.md")
+
+
+def remodel(out):
+    "The layout model's step of every multi-rank row again, from the node measured there; the rest as it was"
+    from dtnb.bench.validate import Validation
+    from dtnb.plan.memory import TransformerShape
+    from dtnb.plan.recommend import Node, step_parts
+    from dtnb.parallel.tensor import Degrees
+    results = []
+    for d in json.loads((out / 'validation.json').read_text()):
+        shape = TransformerShape(**d['shape'])
+        for r in d['rows']:
+            if r['node'] is None: continue  # one process: the model's calibration, no link
+            degrees = {k: v for k, v in r['degrees'].items() if k != 'enabled'}
+            r['model_parts'] = step_parts(shape, Degrees(**degrees), 'fp32', Node(**r['node']))
+            r['model'] = sum(r['model_parts'].values()); r['model_error'] = r['model'] / r['measured'] - 1
+        results.append((d['size'], Validation(shape, d['link'], d['rows'], d['machine'], d['skipped'])))
+        print(f"\n{d['size']}: {results[-1][1]}")
+    write(out, results)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--worker', action='store_true'); ap.add_argument('--job')
@@ -61,8 +90,11 @@ def main():
     ap.add_argument('--links', action='store_true', help="also across namespace hosts (root): 1 Gbit/s, 100 Mbit/s")
     ap.add_argument('--steps', type=int, default=8); ap.add_argument('--seconds', type=float, default=4.0)
     ap.add_argument('--out', help="folder for validation.json and validation.md")
+    ap.add_argument('--remodel', action='store_true', help="only recompute the layout model's column of --out's "
+                    "validation.json from the links measured there (after a change to step_parts)")
     a = ap.parse_args()
     if a.worker: return worker(a)
+    if a.remodel: return remodel(Path(a.out))
     import warnings; warnings.filterwarnings('ignore')
     from dtnb.bench.validate import validate, assemble, Validation, DEFAULT_LAYOUTS, _one_process
     from dtnb.launcher.processes import launch
@@ -85,12 +117,7 @@ def main():
                     rows = assemble(shape, 2, names, one, over_link(c, rate, shape, names, one, steps, a.seconds, tmp))
                     v = Validation(shape, link, rows); results.append((size, v))
                     print(f"\n{size}: {v}  [{time.time() - t0:.0f} s]", flush=True)
-    if a.out:
-        out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
-        (out / 'validation.json').write_text(json.dumps([dict(size=s, **v.to_dict()) for s, v in results], indent=1))
-        (out / 'validation.md').write_text('\n\n'.join(f"### {s}: {v.link}\n\n{v._repr_markdown_()}"
-                                                       for s, v in results) + '\n')
-        print(f"wrote {out}/validation.json and validation.md")
+    if a.out: write(Path(a.out), results)
 
 
 if __name__ == '__main__': main()

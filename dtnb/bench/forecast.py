@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..core.specs import DeviceSpec, device_spec
 from ..core.utils import PRECISIONS, precision_for, md_table, text_table, fmt_bytes
 from ..plan.memory import TransformerShape
-from ..plan.recommend import recommend, Node, step_parts, dp_exposed, ddp_buckets, transformer_flops
+from ..plan.recommend import recommend, Node, step_parts, dp_exposed, ddp_buckets, last_bucket, transformer_flops
 from .collectives import busbw_factor
 from ..parallel.pipeline_schedules import bubble_fraction
 from .ops import op_compute
@@ -149,8 +149,9 @@ def _step(t, e, fps, mb, shape, eff, microbatches):
         return compute, act / (t.busbw * 1e9), compute * f / (1 - f), off, m * mb
     comm = bus_bytes(step_collectives(e.strategy, e.params, n, gb, pb), n) / (t.busbw * 1e9)
     calls = 3 * (shape.layers + 1) if shape and e.strategy == 'zero3' else ddp_buckets(e.params * gb)
-    return (flops / peak, dp_exposed(comm, calls, e.strategy == 'zero3', flops / peak, 1.0, e.activation_checkpointing),
-            0.0, off, n * mb)
+    last = last_bucket(e.params * gb) if e.strategy == 'ddp' else None
+    exposed = dp_exposed(comm, calls, e.strategy == 'zero3', flops / peak, 1.0, e.activation_checkpointing, last)
+    return flops / peak, exposed, 0.0, off, n * mb
 
 # %% ../../nbs/07d_bench.forecast.ipynb #01d25cfd
 def _choose(plan, strategy):

@@ -15,7 +15,7 @@ from ..core.batches import BatchLoss, forward_loss, split_batch
 from .compute import (BenchResult, time_fn, summarize_times, resolve_device, device_info, throughput_unit,
                         bench_matmul, bench_memory)
 from .collectives import bench_collectives, overlap_share
-from ..plan.recommend import dp_exposed, ddp_buckets
+from ..plan.recommend import dp_exposed, ddp_buckets, last_bucket
 
 # %% auto #0
 __all__ = ['PRICE_EXAMPLES', 'BENCHMARKS', 'default_loss', 'step_flops', 'mfu', 'achievable_tflops', 'bench_model',
@@ -153,7 +153,8 @@ def predict_sync_seconds(strategy:str, nbytes:float, n:int, busbw_gbs:float,
     if n < 2: return 0.0
     calls = ddp_buckets(nbytes)  # FSDP: its units are not known here; as many calls as DDP's buckets
     total = {'ddp': 2, 'fsdp': 3}[strategy] * (n - 1) / n * nbytes / (busbw_gbs * 1e9) + calls * latency
-    return dp_exposed(total, calls, strategy == 'fsdp', compute, overlap)
+    last = last_bucket(nbytes) if strategy == 'ddp' else None  # DDP's last bucket: what the backward fills last
+    return dp_exposed(total, calls, strategy == 'fsdp', compute, overlap, last=last)
 
 # %% ../../nbs/07b_bench.throughput.ipynb #92f4cc39
 def scaling_rank(model_fn, batch, strategy:str='ddp', steps:int=10, warmup:int=3, loss_fn=None, amp=None) -> dict:

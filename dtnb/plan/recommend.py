@@ -17,7 +17,7 @@ from ..parallel.tensor import Degrees
 
 # %% auto #0
 __all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'transformer_flops', 'Node', 'step_parts',
-           'dp_exposed', 'step_collectives', 'ddp_buckets', 'step_time', 'memory_explorer']
+           'dp_exposed', 'last_bucket', 'step_collectives', 'ddp_buckets', 'step_time', 'memory_explorer']
 
 # %% ../../nbs/04b_plan.recommend.ipynb #57e94ad1
 def _ladder(ws, activation_checkpointing=True):
@@ -258,20 +258,29 @@ def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISIO
     pp = 2 * tok * h * p.activations / node.inter if d.pp_enabled else 0
     n = step_collectives(shape, d, g / fs)
     fsdp = 3 * (shape.layers / d.pp + 1) * d.dp_shard_enabled  # FSDP's gathers and reduce-scatters, issued in Python
+    ddp = not (d.tp_enabled or d.pp_enabled or d.dp_shard_enabled)  # DDP's buckets (else one all-reduce a unit)
     dp = dp_exposed(dp + n['dp'] * node.latency + fsdp * node.call, n['dp'], d.dp_shard_enabled, compute,
-                    node.overlap if node.streams or not d.dp_shard_enabled else 0.0, activation_checkpointing)
+                    node.overlap if node.streams or not d.dp_shard_enabled else 0.0, activation_checkpointing,
+                    last_bucket(g) if ddp else None)
     per = node.latency + node.call  # tp's and sp's collectives come from DTensor and Ulysses, in Python too
     return dict(compute=compute, bubble=bubble, tp=tp + n['tp'] * per, sp=sp + n['sp'] * per, dp=dp,
                 pp=pp + n['pp'] * node.latency)
 
 def dp_exposed(seconds:float, calls:int, sharded:bool, compute:float, overlap:float=1.0,
-               activation_checkpointing:bool=False) -> float:
+               activation_checkpointing:bool=False,
+               last:float|None=None, # the share of the bytes the backward hands over last (default: 1 / calls)
+              ) -> float:
     "What the step waits for of `seconds` of data-parallel collectives (`calls` of them) run behind `compute`"
     if not calls: return seconds
     # DDP's buckets start as the backward fills them; FSDP gathers the next unit's parameters during the forward too
     behind = compute * (1 if sharded else 3 / 4 if activation_checkpointing else 2 / 3) * overlap
-    tail = seconds * min(1.0, (2 if sharded else 1) / calls)  # the last bucket (FSDP: first gather, last reduce)
+    tail = seconds * (last if last is not None else min(1.0, (2 if sharded else 1) / calls))  # FSDP: first, last
     return max(tail, seconds - behind)
+
+def last_bucket(grad_bytes:float) -> float:
+    "The share of `grad_bytes` in DDP's last bucket (the first layers' gradients, which the backward computes last)"
+    if grad_bytes <= 2**20: return 1.0
+    return ((grad_bytes - 2**20) % (25 * 2**20) or 25 * 2**20) / grad_bytes
 
 def step_collectives(shape:TransformerShape, d:Degrees, grad_bytes:float=0) -> dict:
     "Collectives (pipeline: sends) one rank starts in a step, by part; each costs `Node.latency` beside its bytes"

@@ -227,8 +227,15 @@ def _predictions(data) -> str:
     if not rows: return ''
     worst = max(rows, key=lambda r: abs(r['error']))
     mean = sum(abs(r['error']) for r in rows) / len(rows)
-    return (f"within {mean:.0%} of the measured steps on average over {len(rows)} layouts on this machine "
-            f"(largest: {worst['layout']} on {worst['ranks']} rank{'s' * (worst['ranks'] > 1)}, {worst['error']:+.0%})")
+    out = (f"within {mean:.0%} of the measured steps on average over {len(rows)} layouts on this machine "
+           f"(largest: {worst['layout']} on {worst['ranks']} rank{'s' * (worst['ranks'] > 1)}, {worst['error']:+.0%})")
+    lm, picks = data['predict'].get('model_mean_abs_error'), data['predict'].get('ranking') or []
+    if lm is None or lm != lm: return out  # no 2-rank rows: nothing for the layout model
+    first = '; '.join(f"on {k['ranks']} ranks it ranks {k['pick']} first" + (
+        ', the fastest measured' if k['pick'] == k['fastest'] else
+        f", which measured {k['slower']:.0%} slower than {k['fastest']}") for k in picks)
+    return out + f"; the layout model that ranks layouts for other devices, within {lm:.0%}" + (
+        f" ({first})" if first else '')
 
 # %% ../../nbs/08_reporting.document.ipynb #be879ec1
 _CSS = """
