@@ -145,8 +145,9 @@ def _step(t, e, fps, mb, shape, eff, microbatches):
         p = e.world_size; m = microbatches or 4 * p
         compute = m * flops / p / peak
         f = bubble_fraction(p, m)
-        act = 2 * m * shape.seq_len * shape.batch * shape.hidden * ab if shape else 0  # activation out, gradient back
-        return compute, act / (t.busbw * 1e9), compute * f / (1 - f), off, m * mb
+        act = m * shape.seq_len * shape.batch * shape.hidden * ab if shape else 0  # on and back at once (both ways)
+        sends = dp_exposed(act / (t.busbw * 1e9), 2 * m, True, compute)  # behind the other micro-batches' compute
+        return compute, sends, compute * f / (1 - f), off, m * mb
     comm = bus_bytes(step_collectives(e.strategy, e.params, n, gb, pb), n) / (t.busbw * 1e9)
     calls = 3 * (shape.layers + 1) if shape and e.strategy == 'zero3' else ddp_buckets(e.params * gb)
     last = last_bucket(e.params * gb) if e.strategy == 'ddp' else None

@@ -255,7 +255,7 @@ def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISIO
     rep = d.dp_replicate * (d.sp if d.dp_shard == 1 else 1)  # replicas of each shard: DDP, HSDP, sp without FSDP
     dp = (ar(fs, 1.5 * g, link(d.tp * fs)) +  # FSDP: reduce-scatter + the parameter gathers
           ar(rep, g / fs, link(d.tp * fs * rep)))  # replicas (DDP, HSDP): all-reduce of the shards
-    pp = 2 * tok * h * p.activations / node.inter if d.pp_enabled else 0
+    pp = tok * h * p.activations / node.inter if d.pp_enabled else 0  # activations on, gradients back: both at once
     n = step_collectives(shape, d, g / fs)
     fsdp = 3 * (shape.layers / d.pp + 1) * d.dp_shard_enabled  # FSDP's gathers and reduce-scatters, issued in Python
     ddp = not (d.tp_enabled or d.pp_enabled or d.dp_shard_enabled)  # DDP's buckets (else one all-reduce a unit)
@@ -263,14 +263,14 @@ def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISIO
                     node.overlap if node.streams or not d.dp_shard_enabled else 0.0, activation_checkpointing,
                     last_bucket(g) if ddp else None)
     per = node.latency + node.call  # tp's and sp's collectives come from DTensor and Ulysses, in Python too
-    return dict(compute=compute, bubble=bubble, tp=tp + n['tp'] * per, sp=sp + n['sp'] * per, dp=dp,
-                pp=pp + n['pp'] * node.latency)
+    pp = dp_exposed(pp + n['pp'] * node.latency, n['pp'], True, compute, node.overlap)  # sends run behind the others
+    return dict(compute=compute, bubble=bubble, tp=tp + n['tp'] * per, sp=sp + n['sp'] * per, dp=dp, pp=pp)
 
 def dp_exposed(seconds:float, calls:int, sharded:bool, compute:float, overlap:float=1.0,
                activation_checkpointing:bool=False,
                last:float|None=None, # the share of the bytes the backward hands over last (default: 1 / calls)
               ) -> float:
-    "What the step waits for of `seconds` of data-parallel collectives (`calls` of them) run behind `compute`"
+    "What the step waits for of `seconds` of collectives (`calls`; dp's, or pp's sends) run behind `compute`"
     if not calls: return seconds
     # DDP's buckets start as the backward fills them; FSDP gathers the next unit's parameters during the forward too
     behind = compute * (1 if sharded else 3 / 4 if activation_checkpointing else 2 / 3) * overlap
