@@ -14,7 +14,7 @@ from .compute import BenchResult
 
 # %% auto #0
 __all__ = ['COLLECTIVES', 'busbw_factor', 'algbw', 'busbw', 'collective_counts', 'collective_sizes', 'expected_output',
-           'collective_rank', 'bench_collectives', 'overlap_share']
+           'collective_rank', 'bench_collectives', 'Busy', 'overlap_share']
 
 # %% ../../nbs/07a_bench.collectives.ipynb #d766d9f8
 COLLECTIVES = ('all_reduce', 'all_gather', 'reduce_scatter', 'broadcast', 'all_to_all')
@@ -184,20 +184,30 @@ def _plot_collectives(r, ax):
 BenchResult.plots['collectives'] = _plot_collectives
 
 # %% ../../nbs/07a_bench.collectives.ipynb #85553e55
+class Busy:
+    "About `s` seconds of busy work on `device` (128 x 128 matmuls, calibrated once): compute of a chosen length"
+    def __init__(self, device='cpu'):
+        self.a, self.device = torch.randn(128, 128, device=device), device
+        def fifty():
+            s = time.perf_counter(); [self.a @ self.a for _ in range(50)]; synchronize(device)
+            return time.perf_counter() - s
+        self.per = min(fifty() for _ in range(5)) / 50
+    def __call__(self, s):
+        for _ in range(int(s / self.per)): self.a @ self.a
+
 def overlap_share(nbytes:int, repeats:int=8) -> dict:
     "Inside every rank: the share of an all-reduce of `nbytes` that runs behind compute of its length, and the times"
     import torch.distributed as dist
     from dtnb.core.dist import current_device
     dev = current_device()
-    t, a = torch.randn(max(1, nbytes // 4), device=dev), torch.randn(128, 128, device=dev)
+    t, work = torch.randn(max(1, nbytes // 4), device=dev), Busy(dev)
     def timed(fn):
         out = []
         for _ in range(repeats + 2):
             dist.barrier(); s = time.perf_counter(); fn(); synchronize(dev); out.append(time.perf_counter() - s)
         return statistics.median(out[2:])
     collective = timed(lambda: dist.all_reduce(t))
-    k = max(1, round(collective / (timed(lambda: [a @ a for _ in range(50)]) / 50)))  # matmuls of the same length
-    busy = lambda: [a @ a for _ in range(k)]
+    busy = lambda: work(collective)  # compute of the collective's length
     def both(): w = dist.all_reduce(t, async_op=True); busy(); w.wait()
     compute, together = timed(busy), timed(both)
     share = (compute + collective - together) / min(compute, collective)

@@ -15,7 +15,6 @@ from ..core.batches import BatchLoss, forward_loss, split_batch
 from .compute import (BenchResult, time_fn, summarize_times, resolve_device, device_info, throughput_unit,
                         bench_matmul, bench_memory)
 from .collectives import bench_collectives, overlap_share
-from ..plan.recommend import dp_exposed, ddp_buckets, last_bucket
 
 # %% auto #0
 __all__ = ['PRICE_EXAMPLES', 'BENCHMARKS', 'default_loss', 'step_flops', 'mfu', 'achievable_tflops', 'bench_model',
@@ -151,6 +150,7 @@ def predict_sync_seconds(strategy:str, nbytes:float, n:int, busbw_gbs:float,
     "Gradient-sync seconds a step waits for: DDP 2(n-1)/n, FSDP 3(n-1)/n x bytes / busbw, less what `compute` hides"
     if strategy not in ('ddp', 'fsdp'): raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
     if n < 2: return 0.0
+    from dtnb.plan.recommend import dp_exposed, ddp_buckets, last_bucket  # the step-time model (bench stays light)
     calls = ddp_buckets(nbytes)  # FSDP: its units are not known here; as many calls as DDP's buckets
     total = {'ddp': 2, 'fsdp': 3}[strategy] * (n - 1) / n * nbytes / (busbw_gbs * 1e9) + calls * latency
     last = last_bucket(nbytes) if strategy == 'ddp' else None  # DDP's last bucket: what the backward fills last

@@ -17,7 +17,7 @@ from ..parallel.tensor import Degrees, parallelize, apply_tp
 from ..parallel.wrap import wrap
 from ..plan.memory import TransformerShape
 from ..plan.recommend import Node, step_parts, transformer_flops
-from .collectives import overlap_share
+from .collectives import overlap_share, Busy
 
 # %% auto #0
 __all__ = ['LAYOUTS', 'DEFAULT_LAYOUTS', 'layout_degrees', 'shape_model', 'rank_sequences', 'local_model', 'sample_compute',
@@ -178,14 +178,6 @@ def _agree(n:int) -> int:
     t = torch.tensor([n]); dist.broadcast(t, 0)
     return int(t)
 
-class _Busy:
-    "About `s` seconds of busy work on this thread (128 x 128 matmuls), calibrated once"
-    def __init__(self):
-        self.a = torch.randn(128, 128)
-        self.per = min(_times(lambda: [self.a @ self.a for _ in range(50)], 5)) / 50
-    def __call__(self, s):
-        for _ in range(int(s / self.per)): self.a @ self.a
-
 def _collective(op:str, nelem:int):
     "A function running collective `op` on `nelem` elements of this rank, as the layout runs it"
     t, r = torch.randn(nelem), dist.get_rank()
@@ -198,7 +190,7 @@ def _collective(op:str, nelem:int):
     if op == 'send': return lambda: dist.send(t, r + 1) if r % 2 == 0 else dist.recv(t, r - 1)  # pairs of ranks
     raise ValueError(f"op {op!r}: 'all_reduce' or 'send'")
 
-def sample_collective(op:str, nelem:int, before:float, busy:_Busy, seconds:float=4.0) -> float:
+def sample_collective(op:str, nelem:int, before:float, busy:Busy, seconds:float=4.0) -> float:
     "Seconds collective `op` of `nelem` elements adds to a rank's step when it follows `before` seconds of compute"
     f = _collective(op, nelem); f(); dist.barrier()
     s = time.perf_counter(); f(); busy(before); dist.barrier()
@@ -222,7 +214,7 @@ def measure_layout(shape:TransformerShape, name:str, steps:int=8) -> list:
 def validate_rank(shape:TransformerShape, names:list, one:dict, steps:int=8, seconds:float=4.0) -> dict:
     "In each rank of a group: every layout's parts sampled (`one`: the one-process samples), then its real steps"
     torch.set_num_threads(1); warnings.filterwarnings('ignore', category=UserWarning)
-    n, busy, out = dist.get_world_size(), _Busy(), {}
+    n, busy, out = dist.get_world_size(), Busy(), {}
     whole = sample_compute(shape, Degrees(), steps, sync=True)['step']  # the whole model in every rank at once
     link = measure_link(shape) | dict(flops=transformer_flops(shape) * shape.batch / whole)
     for name in names:
@@ -238,15 +230,14 @@ def validate_rank(shape:TransformerShape, names:list, one:dict, steps:int=8, sec
     return out
 
 def _one_process(shape, names, n, steps):
-    "The samples that need one process: each layout's compute alone, tp's dispatch, the FLOP/s; 'single' measured too"
-    out, whole = {}, sample_compute(shape, Degrees(), steps)['step']
-    flops = transformer_flops(shape) * shape.batch / whole  # this machine's rate on the whole model, one process
+    "The samples that need one process: each layout's compute alone, tp's dispatch; 'single' measured too"
+    out = {}
     for name in names:
         d = layout_degrees(name, n, shape)
         c = sample_compute(shape, d, steps)
         out[name] = dict(compute=dict(forward=0.0, step=max(t['micro_batch'] for t in c['stages']))
                          if 'stages' in c else c,
-                         dispatch=sample_dispatch(shape, steps) if d.tp > 1 else 0.0, flops=flops)
+                         dispatch=sample_dispatch(shape, steps) if d.tp > 1 else 0.0)
         if name == 'single': out[name] |= dict(measured=measure_layout(shape, name, steps), rank=c)
     return out
 
@@ -369,7 +360,8 @@ def _row(shape, name, n, d, one, ranks):
     pred, meas = sum(p.values()), per_rank[slow]
     links = [r['link'] for r in ranks if 'link' in r]  # every rank measured the same link: their mean
     link = {k: statistics.mean(l[k] for l in links) for k in links[0]} if links else None
-    node = here_node(link['flops'] if link else one[name]['flops'], link)
+    alone = transformer_flops(shape) * shape.batch / one[name]['rank']['step'] if not links else None  # 'single'
+    node = here_node(link['flops'] if link else alone, link)
     mp = step_parts(shape, d, 'fp32', node)
     return dict(layout=name, ranks=n, degrees=d.to_dict(), predicted=pred, measured=meas, error=pred / meas - 1,
                 noise=_noise(ranks[slow]['measured']), parts=p, model=sum(mp.values()),
