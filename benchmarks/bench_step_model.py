@@ -66,9 +66,9 @@ def write(out, results):
 
 def remodel(out):
     "The layout model's step of every multi-rank row again, from the node measured there; the rest as it was"
-    from dtnb.bench.validate import Validation
+    from dtnb.bench.validate import Validation, layout_model
     from dtnb.plan.memory import TransformerShape
-    from dtnb.plan.recommend import Node, step_parts
+    from dtnb.plan.recommend import Node
     from dtnb.parallel.tensor import Degrees
     results = []
     for d in json.loads((out / 'validation.json').read_text()):
@@ -76,7 +76,7 @@ def remodel(out):
         for r in d['rows']:
             if r['node'] is None: continue  # one process: the model's calibration, no link
             degrees = {k: v for k, v in r['degrees'].items() if k != 'enabled'}
-            r['model_parts'] = step_parts(shape, Degrees(**degrees), 'fp32', Node(**r['node']))
+            r['model_parts'] = layout_model(shape, r['layout'], Degrees(**degrees), Node(**r['node']))
             r['model'] = sum(r['model_parts'].values()); r['model_error'] = r['model'] / r['measured'] - 1
         results.append((d['size'], Validation(shape, d['link'], d['rows'], d['machine'], d['skipped'])))
         print(f"\n{d['size']}: {results[-1][1]}")
@@ -96,7 +96,9 @@ def main():
     if a.worker: return worker(a)
     if a.remodel: return remodel(Path(a.out))
     import warnings; warnings.filterwarnings('ignore')
-    from dtnb.bench.validate import validate, assemble, Validation, DEFAULT_LAYOUTS, _one_process
+    from dataclasses import replace
+    from dtnb.bench.validate import validate, assemble, Validation, DEFAULT_LAYOUTS, _one_process, shape_model
+    from dtnb.plan.recommend import colwise_per_layer
     from dtnb.launcher.processes import launch
     from dtnb.plan.memory import TransformerShape
     results, t0 = [], time.time()
@@ -111,6 +113,7 @@ def main():
         with Cluster(2) as c, tempfile.TemporaryDirectory() as tmp:
             for size in a.sizes.split(','):
                 shape, names = TransformerShape(**SIZES[size]), DEFAULT_LAYOUTS[2]
+                shape = replace(shape, colwise=colwise_per_layer(shape_model(shape)))  # as validate() counts them
                 one = launch(_one_process, shape, names, 2, a.steps, nprocs=1, threads=1, device='cpu')[0]
                 for link, rate in LINKS:
                     steps = a.steps if rate != '100mbit' else max(4, a.steps // 2)

@@ -7,7 +7,7 @@ Docs: https://dtnb-dev.github.io/dtnb/bench.validate.html.md"""
 # %% ../../nbs/07e_bench.validate.ipynb #c01b6fc5
 from __future__ import annotations
 import platform, statistics, time, warnings
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, field, asdict, replace
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.distributed as dist
 from ..core.models import TinyTransformer
@@ -16,14 +16,14 @@ from ..launcher.processes import launch
 from ..parallel.tensor import Degrees, parallelize, apply_tp
 from ..parallel.wrap import wrap
 from ..plan.memory import TransformerShape
-from ..plan.recommend import Node, step_parts, transformer_flops
+from ..plan.recommend import Node, step_parts, transformer_flops, colwise_per_layer
 from .collectives import overlap_share, Busy
 
 # %% auto #0
 __all__ = ['LAYOUTS', 'DEFAULT_LAYOUTS', 'layout_degrees', 'shape_model', 'rank_sequences', 'local_model', 'sample_compute',
            'sample_dispatch', 'param_probe', 'activation_collectives', 'sample_collective', 'measure_layout',
-           'validate_rank', 'predict_parts', 'call_cost', 'measure_link', 'here_node', 'Validation', 'assemble',
-           'validate']
+           'validate_rank', 'predict_parts', 'call_cost', 'measure_link', 'here_node', 'layout_model', 'Validation',
+           'assemble', 'validate']
 
 # %% ../../nbs/07e_bench.validate.ipynb #79abd0b4
 LAYOUTS = {  # name: the degrees of n ranks
@@ -215,10 +215,11 @@ def validate_rank(shape:TransformerShape, names:list, one:dict, steps:int=8, sec
     "In each rank of a group: every layout's parts sampled (`one`: the one-process samples), then its real steps"
     torch.set_num_threads(1); warnings.filterwarnings('ignore', category=UserWarning)
     n, busy, out = dist.get_world_size(), Busy(), {}
-    whole = sample_compute(shape, Degrees(), steps, sync=True)['step']  # the whole model in every rank at once
-    link = measure_link(shape) | dict(flops=transformer_flops(shape) * shape.batch / whole)
+    link = measure_link(shape)
     for name in names:
         d = layout_degrees(name, n, shape)
+        whole = sample_compute(shape, Degrees(), steps, sync=True)['step']  # the whole model in every rank, now
+        flops = transformer_flops(shape) * shape.batch / whole  # the layout model's speed of this machine
         c = sample_compute(shape, d, steps, sync=True)  # every rank at once, in step: the machine shared
         dist.barrier()
         probe = param_probe(shape, name, busy, **one[name]['compute'], steps=2 * steps) if d.dp > 1 else 0.0
@@ -226,7 +227,7 @@ def validate_rank(shape:TransformerShape, names:list, one:dict, steps:int=8, sec
                  for op, k, b, cnt in activation_collectives(shape, name, d, **one[name]['compute'])]
         dist.barrier()
         out[name] = dict(compute=c, probe=probe, collectives=colls, measured=measure_layout(shape, name, steps),
-                         link=link)
+                         link=link | dict(flops=flops))
     return out
 
 def _one_process(shape, names, n, steps):
@@ -239,6 +240,9 @@ def _one_process(shape, names, n, steps):
                          if 'stages' in c else c,
                          dispatch=sample_dispatch(shape, steps) if d.tp > 1 else 0.0)
         if name == 'single': out[name] |= dict(measured=measure_layout(shape, name, steps), rank=c)
+    if any(layout_degrees(x, n, shape).tp > 1 for x in names):  # the layout model's: a split Linear's, on one layer
+        layer = replace(shape, layers=1)
+        out['_link'] = dict(dispatch=sample_dispatch(layer, 4 * steps) / (layer.colwise + 2))
     return out
 
 # %% ../../nbs/07e_bench.validate.ipynb #f1ba1553
@@ -262,21 +266,41 @@ def call_cost(units:int=8, steps:int=16) -> float:
     fully_shard(m)
     return max(0.0, _trimmed(_times(_stepper(m, x, x), steps, sync=True)) - plain) / (3 * units)  # 2 gathers, 1 reduce
 
+def _after_pause(fn, repeats:int, pause:float=0.1) -> float:
+    "Seconds `fn` takes, started on every rank at once after `pause` seconds of quiet (a shaped link's bucket full)"
+    ts = []
+    for _ in range(repeats):
+        time.sleep(pause); dist.barrier()
+        s = time.perf_counter(); fn(); ts.append(time.perf_counter() - s)
+    return _trimmed(ts)
+
 def measure_link(shape:TransformerShape, repeats:int=8) -> dict:
-    "In each rank of a group: a `Node`'s figures for this link: per-call cost, busbw of the gradients, overlap"
-    n, tiny, grads = dist.get_world_size(), torch.zeros(1), torch.randn(shape.params())
-    all_reduce = lambda t: lambda: dist.all_reduce(t)
-    latency = _trimmed(_times(all_reduce(tiny), 4 * repeats))
-    whole = _trimmed(_times(all_reduce(grads), repeats, sync=True))
-    busbw = 2 * (n - 1) / n * grads.numel() * 4 / max(whole - latency, 1e-9)
-    overlap = overlap_share(grads.numel() * 4, repeats)['share']
-    return dict(latency=latency, call=max(latency, call_cost()), busbw=busbw, overlap=overlap)
+    "In each rank of a group: a `Node`'s figures for this link: per-call cost, busbw, burst, collectives, overlap"
+    n, tiny, grads = dist.get_world_size(), torch.zeros(1), shape.params() * 4
+    latency = _trimmed(_times(lambda: dist.all_reduce(tiny), 4 * repeats))
+    small, big, out = torch.randn(2**18), torch.randn(2**20), torch.empty(2**20 // n)  # 1 and 4 MiB
+    bus = lambda t: 2 * (n - 1) / n * t.numel() * 4  # bytes an all-reduce moves over each rank's link
+    t1, t2 = (_after_pause(lambda: dist.all_reduce(t), repeats // 2) for t in (small, big))
+    # the rate from the slope between the two sizes; what the larger one took less than that rate says: the burst
+    busbw = (bus(big) - bus(small)) / (t2 - t1) if t2 > 1.5 * t1 else bus(big) / max(t2 - latency, 1e-9)
+    burst = max(0.0, bus(big) - (t2 - latency) * busbw)
+    rs = _after_pause(lambda: dist.reduce_scatter_tensor(out, big), repeats // 2)
+    ag = _after_pause(lambda: dist.all_gather_into_tensor(big, out), repeats // 2)
+    overlap = overlap_share(grads, repeats)['share']
+    return dict(latency=latency, call=max(latency, call_cost()), busbw=busbw, burst=burst, overlap=overlap,
+                reduce_scatter=rs / (t2 / 2), all_gather=ag / (t2 / 2))
 
 def here_node(flops:float, link:dict|None=None) -> Node:
     "The step-time model's `Node` for this machine: its measured FLOP/s, and its link's figures (none: one process)"
     l = link or dict(latency=0.0, call=0.0, busbw=float('inf'), overlap=1.0)
     return Node(devices=1, flops=flops, intra=l['busbw'], inter=l['busbw'], latency=l['latency'],
-                call=max(0.0, l['call'] - l['latency']), overlap=l['overlap'], streams=False)
+                call=max(0.0, l['call'] - l['latency']), overlap=l['overlap'], streams=False,
+                dispatch=l.get('dispatch', 0.0), reduce_scatter=l.get('reduce_scatter', 1.0),
+                all_gather=l.get('all_gather', 1.0), burst=l.get('burst', 0.0))
+
+def layout_model(shape:TransformerShape, name:str, d:Degrees, node:Node) -> dict:
+    "The layout model's step of layout `name` (`step_parts`): ZeRO-2 is FSDP that keeps the gathered parameters"
+    return step_parts(shape, d, 'fp32', node, reshard=name != 'zero2')
 
 # %% ../../nbs/07e_bench.validate.ipynb #3e0bb07e
 def _machine() -> dict:
@@ -359,10 +383,10 @@ def _row(shape, name, n, d, one, ranks):
     slow = per_rank.index(max(per_rank))
     pred, meas = sum(p.values()), per_rank[slow]
     links = [r['link'] for r in ranks if 'link' in r]  # every rank measured the same link: their mean
-    link = {k: statistics.mean(l[k] for l in links) for k in links[0]} if links else None
+    link = {k: statistics.mean(l[k] for l in links) for k in links[0]} | one.get('_link', {}) if links else None
     alone = transformer_flops(shape) * shape.batch / one[name]['rank']['step'] if not links else None  # 'single'
     node = here_node(link['flops'] if link else alone, link)
-    mp = step_parts(shape, d, 'fp32', node)
+    mp = layout_model(shape, name, d, node)
     return dict(layout=name, ranks=n, degrees=d.to_dict(), predicted=pred, measured=meas, error=pred / meas - 1,
                 noise=_noise(ranks[slow]['measured']), parts=p, model=sum(mp.values()),
                 model_error=sum(mp.values()) / meas - 1, model_parts=mp, node=asdict(node) if links else None)
@@ -380,6 +404,7 @@ def validate(shape:TransformerShape|None=None, # the model to predict and run; d
              timeout:float=900) -> Validation:
     "Predict each layout's step time on this machine from measured parts, run it, and set the two side by side"
     shape = shape or TransformerShape(layers=4, hidden=128, heads=4, seq_len=128, batch=4)
+    shape = replace(shape, colwise=colwise_per_layer(shape_model(shape)))  # the model run here: q, k, v apart
     rows, skipped = [], []
     for n in ([ranks] if isinstance(ranks, int) else ranks):
         names = (layouts or {}).get(n) or DEFAULT_LAYOUTS.get(n)

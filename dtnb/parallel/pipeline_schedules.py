@@ -166,12 +166,26 @@ def _deps(s, k, mb, last):
     if k in 'BI': return [(s, 'F', mb)] + ([(s + 1, 'grad', mb)] if s < last else [])
     return [(s, 'grad', mb)]  # W
 
-def simulate_schedule(order:dict, schedule:str='', slots:dict|None=None) -> PipelineTimeline:
+def simulate_schedule(order:dict, schedule:str='', slots:dict|None=None,
+                      send:float=0.0,  # slots a micro-batch's activations (or their gradients) take to the next rank
+                      burst:float=0.0, # slots of sending a link passes at once after a pause (a token bucket's depth)
+                     ) -> PipelineTimeline:
     "Run an action order on an ideal machine; a rank's share of the model takes F: 1 slot, B: 2 (I, W: 1 each)"
     last = max(s for ops in order.values() for s, _, _ in ops)
     v = (last + 1) / len(order)  # stages per rank: each stage does 1/v of a rank's share
     cost = {k: c / v for k, c in {**_SLOTS, **(slots or {})}.items()}
-    done, pos, free, events = {}, dict.fromkeys(order, 0), dict.fromkeys(order, 0.0), []
+    rank_of = {s: r for r, ops in order.items() for s, _, _ in ops}
+    links = {}  # (from rank, to rank): (free from, credit then): one message at a time each way
+    def arrive(src, dst, t):
+        "When what stage `src` finished at `t` reaches stage `dst`"
+        a, b = rank_of[src], rank_of[dst]
+        if a == b or not send: return t
+        free, credit = links.get((a, b), (0.0, burst))
+        start = max(t, free)
+        credit = min(burst, credit + start - free)  # a token bucket fills at the link's rate while it idles
+        links[(a, b)] = (start + max(0.0, send - credit), max(0.0, credit - send))
+        return links[(a, b)][0]
+    done, at, pos, free, events = {}, {}, dict.fromkeys(order, 0), dict.fromkeys(order, 0.0), []
     progress = True
     while progress:
         progress = False
@@ -180,8 +194,11 @@ def simulate_schedule(order:dict, schedule:str='', slots:dict|None=None) -> Pipe
                 s, k, mb = ops[pos[r]]
                 need = _deps(s, k, mb, last)
                 if any(d not in done for d in need): break
-                start = max([free[r]] + [done[d] for d in need])
-                free[r] = done[(s, 'grad' if k in 'BI' else k, mb)] = start + cost[k]
+                start = max([free[r]] + [(done if d[0] == s else at)[d] for d in need])  # another stage's: sent
+                key = (s, 'grad' if k in 'BI' else k, mb)
+                free[r] = done[key] = start + cost[k]
+                if k == 'F' and s < last: at[key] = arrive(s, s + 1, free[r])
+                if k in 'BI' and s > 0: at[key] = arrive(s, s - 1, free[r])
                 events.append(dict(rank=r, stage=s, kind=k, mb=mb, start=start, end=free[r]))
                 pos[r] += 1; progress = True
     if stuck := {r: order[r][pos[r]] for r in order if pos[r] < len(order[r])}:

@@ -53,6 +53,7 @@ class TransformerShape:
     seq_len: int    # sequence length, s
     batch: int = 1  # micro-batch per device, b
     vocab: int = 0  # vocabulary size, v (0: leave out embeddings and logits)
+    colwise: int = 2  # Linears a layer splits by columns under tp (fused qkv, MLP in: 2; q, k, v, gate, up: 5)
 
     def params(self) -> int:
         "Parameter count: L(12h²+13h) for the layers, (v+s)h for the embeddings, 2h for the final LayerNorm"

@@ -13,11 +13,13 @@ from .activations import trace_activations
 from ..parallel.pipeline_split import pipeline_units
 from .memory import OPTIMIZERS, ALIASES, SHARDS, TransformerShape, MemoryEstimate, estimate_memory
 from .memory import tp_linears
-from ..parallel.tensor import Degrees
+from ..parallel.tensor import Degrees, tp_pairs
+from ..parallel.pipeline_schedules import schedule_order, simulate_schedule
 
 # %% auto #0
-__all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'transformer_flops', 'Node', 'step_parts',
-           'dp_exposed', 'last_bucket', 'step_collectives', 'ddp_buckets', 'step_time', 'memory_explorer']
+__all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'transformer_flops', 'Node', 'on_link', 'step_parts',
+           'dp_exposed', 'last_bucket', 'step_collectives', 'ddp_buckets', 'step_time', 'colwise_per_layer',
+           'memory_explorer']
 
 # %% ../../nbs/04b_plan.recommend.ipynb #57e94ad1
 def _ladder(ws, activation_checkpointing=True):
@@ -236,35 +238,63 @@ class Node:
     call:float=0.0               # seconds more of the rank's own time for each collective FSDP or DTensor issues
     overlap:float=1.0            # share of the compute that dp's collectives run behind (GPUs: on their own stream)
     streams:bool=True            # collectives on streams of their own: without (CPU), FSDP's block the rank
+    dispatch:float=0.0           # seconds of the rank's own time per tp-split Linear and micro-batch (DTensor's
+                                 # Python; on GPUs it runs ahead of the device's queue: 0)
+    reduce_scatter:float=1.0     # a reduce-scatter's time over half an all-reduce's (bandwidth-optimal, NCCL: 1)
+    all_gather:float=1.0         # an all-gather's time over half an all-reduce's
+    burst:float=0.0              # bytes a link passes at once after a pause, refilled at its rate (a token bucket,
+                                 # as tc tbf shapes a link; a wire: 0)
+
+def on_link(nbytes:float, calls:int, rate:float, burst:float=0.0, gap:float=0.0) -> float:
+    "Seconds `calls` transfers of `nbytes` in all take at `rate` bytes/s, `gap` seconds apart, on a link of `burst`"
+    if not nbytes: return 0.0
+    credit = min(burst, rate * gap) if burst and gap > 0 else 0.0  # what the bucket holds again when each starts
+    return max(1, calls) * max(0.0, nbytes / max(1, calls) - credit) / rate
+
+def _pipeline_sends(d:Degrees, compute:float, nbytes:float, node:Node, activation_checkpointing:bool) -> float:
+    "Seconds 1F1B's sends of `nbytes` a micro-batch add to the step: `simulate_schedule` with the link as it is"
+    m = 2 * d.pp
+    f = compute / m * (1 / 4 if activation_checkpointing else 1 / 3)  # a stage's forward of one micro-batch
+    slots, order = dict(F=f, B=compute / m - f), schedule_order('1f1b', d.pp, m)
+    send = node.latency + nbytes / node.inter
+    with_sends = simulate_schedule(order, slots=slots, send=send, burst=node.burst / node.inter).span
+    return max(0.0, with_sends - simulate_schedule(order, slots=slots).span)
 
 def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISION, node:Node=Node(),
-               activation_checkpointing:bool=False) -> dict:
+               activation_checkpointing:bool=False,
+               reshard:bool=True, # FSDP gathers the parameters again for the backward (False: ZeRO-2 keeps them)
+              ) -> dict:
     "Predicted seconds of one step of `shape` under layout `d`, by part: compute, bubble, tp, dp, pp (see above)"
     p, n, m = PRECISIONS[precision], d.world_size, 2 * d.pp
     s, h = shape.seq_len, shape.hidden
     tok = shape.batch * n / d.dp / d.sp * s  # tokens of each rank's tp group: its sequences, a 1/sp slice of each
     compute = transformer_flops(shape, activation_checkpointing) * shape.batch / node.flops
     bubble = (d.pp - 1) / m * compute
-    ar = lambda k, b, link: 2 * (k - 1) / k * b / link
+    bus = lambda k, b: 2 * (k - 1) / k * b  # bytes an all-reduce of `b` moves over each rank's link (a ring)
     link = lambda ranks: node.intra if ranks <= node.devices else node.inter  # a group of consecutive ranks
-    tp = ar(d.tp, 4 * shape.layers / d.pp * tok * h * p.activations, node.intra)
-    # Ulysses: q, k, v to heads and the output back to sequences, forward and backward: 8 all-to-alls a layer
-    sp = (d.sp - 1) / d.sp * 8 * shape.layers * tok * h / d.tp * p.activations / link(d.tp * d.sp)
+    wire = lambda b, calls, rate: on_link(b, calls, rate, node.burst, compute / max(1, calls))
     g = shape.params() / (d.tp * d.pp) * p.grads  # gradient bytes of one rank's stage and tp slice
     fs = d.dp_shard * (d.sp if d.dp_shard > 1 else 1)  # FSDP shards over dp_shard x sp (sp ranks hold the same)
     rep = d.dp_replicate * (d.sp if d.dp_shard == 1 else 1)  # replicas of each shard: DDP, HSDP, sp without FSDP
-    dp = (ar(fs, 1.5 * g, link(d.tp * fs)) +  # FSDP: reduce-scatter + the parameter gathers
-          ar(rep, g / fs, link(d.tp * fs * rep)))  # replicas (DDP, HSDP): all-reduce of the shards
-    pp = tok * h * p.activations / node.inter if d.pp_enabled else 0  # activations on, gradients back: both at once
-    n = step_collectives(shape, d, g / fs)
-    fsdp = 3 * (shape.layers / d.pp + 1) * d.dp_shard_enabled  # FSDP's gathers and reduce-scatters, issued in Python
+    n = step_collectives(shape, d, g / fs, reshard)
+    mb = m if d.pp_enabled else 1
+    # tp: one all-reduce for each split Linear (rowwise: its output; colwise: its input's gradient), each micro-batch
+    tp = wire(bus(d.tp, n['tp'] * tok / mb * h * p.activations), n['tp'], node.intra)
+    # Ulysses: q, k, v to heads and the output back to sequences, forward and backward: 8 all-to-alls a layer
+    sp = wire((d.sp - 1) / d.sp * n['sp'] * tok * h / d.tp * p.activations, n['sp'], link(d.tp * d.sp))
+    gathers = (2 if reshard else 1) * d.dp_shard_enabled
+    fsdp = (gathers + 1) * (shape.layers / d.pp + 1) * d.dp_shard_enabled  # FSDP's collectives, issued in Python
+    dp = (wire(bus(fs, (gathers * node.all_gather + node.reduce_scatter) / 2 * g), fsdp, link(d.tp * fs)) +
+          wire(bus(rep, g / fs), n['dp'] - fsdp, link(d.tp * fs * rep)))  # replicas (DDP, HSDP): all-reduce the shards
     ddp = not (d.tp_enabled or d.pp_enabled or d.dp_shard_enabled)  # DDP's buckets (else one all-reduce a unit)
     dp = dp_exposed(dp + n['dp'] * node.latency + fsdp * node.call, n['dp'], d.dp_shard_enabled, compute,
                     node.overlap if node.streams or not d.dp_shard_enabled else 0.0, activation_checkpointing,
                     last_bucket(g) if ddp else None)
     per = node.latency + node.call  # tp's and sp's collectives come from DTensor and Ulysses, in Python too
-    pp = dp_exposed(pp + n['pp'] * node.latency, n['pp'], True, compute, node.overlap)  # sends run behind the others
-    return dict(compute=compute, bubble=bubble, tp=tp + n['tp'] * per, sp=sp + n['sp'] * per, dp=dp, pp=pp)
+    pp = _pipeline_sends(d, compute, tok / m * h * p.activations, node, activation_checkpointing) \
+        if d.pp_enabled else 0.0  # activations on, gradients back, behind the other micro-batches' compute
+    return dict(compute=compute, bubble=bubble, tp=tp + n['tp'] * (per + node.dispatch), sp=sp + n['sp'] * per,
+                dp=dp, pp=pp)
 
 def dp_exposed(seconds:float, calls:int, sharded:bool, compute:float, overlap:float=1.0,
                activation_checkpointing:bool=False,
@@ -282,14 +312,15 @@ def last_bucket(grad_bytes:float) -> float:
     if grad_bytes <= 2**20: return 1.0
     return ((grad_bytes - 2**20) % (25 * 2**20) or 25 * 2**20) / grad_bytes
 
-def step_collectives(shape:TransformerShape, d:Degrees, grad_bytes:float=0) -> dict:
+def step_collectives(shape:TransformerShape, d:Degrees, grad_bytes:float=0, reshard:bool=True) -> dict:
     "Collectives (pipeline: sends) one rank starts in a step, by part; each costs `Node.latency` beside its bytes"
     mb, units = 2 * d.pp if d.pp_enabled else 1, shape.layers / d.pp + 1  # FSDP's and replicate's: blocks, the root
     rep = units if (d.tp_enabled or d.pp_enabled or d.dp_shard_enabled) else ddp_buckets(grad_bytes)
     replicas = d.dp_replicate_enabled or (d.sp_enabled and not d.dp_shard_enabled)  # sp ranks' gradients: summed
-    return dict(tp=4 * shape.layers / d.pp * mb * d.tp_enabled,  # two all-reduces forward, two backward, per layer
+    split = shape.colwise + 2  # the Linears tp splits in a layer: the colwise ones and two rowwise (attention, MLP out)
+    return dict(tp=split * shape.layers / d.pp * mb * d.tp_enabled,  # one all-reduce each, forward or backward
                 sp=8 * shape.layers * d.sp_enabled,  # Ulysses' all-to-alls: 4 forward, 4 backward, per layer
-                dp=3 * units * d.dp_shard_enabled + rep * replicas,  # gather, gather, reduce-scatter
+                dp=(3 if reshard else 2) * units * d.dp_shard_enabled + rep * replicas,  # gathers, reduce-scatter
                 pp=2 * mb * d.pp_enabled)  # each microbatch's activations forward, their gradients back
 
 def ddp_buckets(grad_bytes:float) -> int:
@@ -297,14 +328,21 @@ def ddp_buckets(grad_bytes:float) -> int:
     return 1 + -(-max(0, grad_bytes - 2**20) // (25 * 2**20))
 
 def step_time(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISION, node:Node=Node(),
-              activation_checkpointing:bool=False) -> float:
+              activation_checkpointing:bool=False, reshard:bool=True) -> float:
     "Predicted seconds of one step of `shape` under layout `d`: the sum of its `step_parts`"
-    return sum(step_parts(shape, d, precision, node, activation_checkpointing).values())
+    return sum(step_parts(shape, d, precision, node, activation_checkpointing, reshard).values())
+
+def colwise_per_layer(model:nn.Module) -> int:
+    "Linears of a block of `model` that tp splits by columns (`TransformerShape.colwise`): fused q, k, v count once"
+    pairs, blocks = tp_pairs(model), find_blocks(model)
+    if not pairs or not blocks: return TransformerShape.colwise
+    return round(sum(len(col) for col, _ in pairs.values()) / len(blocks))
 
 # %% ../../nbs/04b_plan.recommend.ipynb #d5ffcad5
 def _layout_options(model, batch, ws, optimizer, precision, loss_fn, shape, units, node):
     "(estimate, predicted seconds or None) of each candidate layout, with and without activation checkpointing"
     shp = model if isinstance(model, TransformerShape) else shape
+    if shp is not None and hasattr(model, 'named_modules'): shp = replace(shp, colwise=colwise_per_layer(model))
     kw = dict(optimizer=optimizer, precision=precision, batch=batch, loss_fn=loss_fn, shape=shape, units=units)
     acs = (False, True) if batch is not None or shp is not None else (False,)
     out = []
