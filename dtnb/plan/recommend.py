@@ -13,7 +13,7 @@ from .activations import trace_activations
 from ..parallel.pipeline_split import pipeline_units
 from .memory import OPTIMIZERS, ALIASES, SHARDS, TransformerShape, MemoryEstimate, estimate_memory
 from .memory import tp_linears
-from ..parallel.tensor import Degrees
+from ..parallel.parallelize import Degrees
 
 # %% auto #0
 __all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'transformer_flops', 'Node', 'step_parts',
@@ -251,8 +251,7 @@ def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISIO
     # Ulysses: q, k, v to heads and the output back to sequences, forward and backward: 8 all-to-alls a layer
     sp = (d.sp - 1) / d.sp * 8 * shape.layers * tok * h / d.tp * p.activations / link(d.tp * d.sp)
     g = shape.params() / (d.tp * d.pp) * p.grads  # gradient bytes of one rank's stage and tp slice
-    fs = d.dp_shard * (d.sp if d.dp_shard > 1 else 1)  # FSDP shards over dp_shard x sp (sp ranks hold the same)
-    rep = d.dp_replicate * (d.sp if d.dp_shard == 1 else 1)  # replicas of each shard: DDP, HSDP, sp without FSDP
+    fs, rep = d.shard_size, d.replicas  # FSDP's shards (dp_shard x sp) and replicas of each: DDP, HSDP, sp alone
     dp = (ar(fs, 1.5 * g, link(d.tp * fs)) +  # FSDP: reduce-scatter + the parameter gathers
           ar(rep, g / fs, link(d.tp * fs * rep)))  # replicas (DDP, HSDP): all-reduce of the shards
     pp = tok * h * p.activations / node.inter if d.pp_enabled else 0  # activations on, gradients back: both at once
@@ -286,7 +285,7 @@ def step_collectives(shape:TransformerShape, d:Degrees, grad_bytes:float=0) -> d
     "Collectives (pipeline: sends) one rank starts in a step, by part; each costs `Node.latency` beside its bytes"
     mb, units = 2 * d.pp if d.pp_enabled else 1, shape.layers / d.pp + 1  # FSDP's and replicate's: blocks, the root
     rep = units if (d.tp_enabled or d.pp_enabled or d.dp_shard_enabled) else ddp_buckets(grad_bytes)
-    replicas = d.dp_replicate_enabled or (d.sp_enabled and not d.dp_shard_enabled)  # sp ranks' gradients: summed
+    replicas = d.replicas > 1  # DDP, HSDP, or sp's ranks without FSDP: gradients summed
     return dict(tp=4 * shape.layers / d.pp * mb * d.tp_enabled,  # two all-reduces forward, two backward, per layer
                 sp=8 * shape.layers * d.sp_enabled,  # Ulysses' all-to-alls: 4 forward, 4 backward, per layer
                 dp=3 * units * d.dp_shard_enabled + rep * replicas,  # gather, gather, reduce-scatter
