@@ -153,6 +153,11 @@ def parallelize(model:nn.Module,
         raise ValueError(f"sp={degrees.sp} splits the sequences of the whole model's inputs and labels, which a "
                          f"pipeline's stages never see (pp={degrees.pp}): use sp with dp_shard, dp_replicate and tp")
     _check_fsdp_options(degrees, fsdp)
+    if (meta := any(p.is_meta for p in model.parameters())) and (degrees.pp_enabled or not degrees.dp_shard_enabled):
+        raise ValueError(f"{type(model).__name__} is on the meta device, and FSDP gives it storage shard by shard, "
+                         "each module's values those of a normal build, on the whole model (a pipeline stage would "
+                         f"draw others): use dp_shard > 1 without pp (here dp_shard={degrees.dp_shard}, "
+                         f"pp={degrees.pp}), or build the model on a device")
     mesh = mesh if mesh is not None else degrees.build_mesh(dev.type)
     if degrees.sp_enabled:  # 1. Ulysses: every rank of an sp group loads the same batch, as `data_rank` says
         ulysses(model, group=mesh['sp'].get_group())
@@ -169,7 +174,8 @@ def parallelize(model:nn.Module,
     else: mods = [model]
     out = []
     for m in mods:                                                  # each pipeline stage (or the whole model):
-        m, mcls = m.to(dev), _held(m, cls) if degrees.pp_enabled else cls  # a stage: the block classes it holds
+        m = m if meta else m.to(dev)                                # meta: `apply_fsdp` gives it storage
+        mcls = _held(m, cls) if degrees.pp_enabled else cls         # a stage: the block classes it holds
         if activation_checkpointing and (mcls != () or not degrees.pp_enabled):
             apply_activation_checkpointing(m, mcls)                 # 2. activation checkpointing
         if degrees.tp_enabled: apply_tp(m, mesh['tp'], plan, sequence_parallel, cls)  # 3. tensor parallel
