@@ -1,4 +1,4 @@
-"""Tensor parallel on classic model code against one process (03fb, 03g): fused q/k/v layers split by head groups,
+"""Tensor parallel on classic model code against one process (03fb, 03g, 03i): fused q/k/v layers split by head groups,
 head counts stored on the module set per rank; 3 AdamW steps, losses and parameters compared. The notebook proves
 `tp=2`; here the 4-rank layouts, a user's plan naming the fused layer, Hugging Face's fused layouts and the refusals.
 The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""

@@ -1,5 +1,5 @@
 """Sequence parallel (Ulysses) on a transformers Llama against one process: wrapped by hand (03h), and as a degree of
-`parallelize` (03g).
+`parallelize` (03i).
 The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
 import pytest, torch
 import torch.distributed as dist
