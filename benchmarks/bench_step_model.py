@@ -69,7 +69,7 @@ def remodel(out):
     from dtnb.bench.validate import Validation, layout_model
     from dtnb.plan.memory import TransformerShape
     from dtnb.plan.recommend import Node
-    from dtnb.parallel.tensor import Degrees
+    from dtnb.parallel.parallelize import Degrees
     results = []
     for d in json.loads((out / 'validation.json').read_text()):
         shape = TransformerShape(**d['shape'])

@@ -226,7 +226,7 @@ def test_rank_error_in_a_real_step_is_reported():
 @pytest.mark.long  # measured accuracy, every layout on 4 ranks (9 s): bash run.sh test-long
 def test_layouts_measured_equal_estimates():
     "HSDP, TP × FSDP, PP × DP and TP alone, one launch of 4 ranks: model states byte for byte on every rank"
-    from dtnb.parallel.tensor import Degrees
+    from dtnb.parallel.parallelize import Degrees
     from dtnb.core.models import TinyTransformer
     m = TinyTransformer(d_in=16, d=32, n_heads=4, depth=2, d_out=4)
     xy = torch.randn(4, 8, 16), torch.randn(4, 8, 4)
@@ -263,7 +263,7 @@ def _llama(hidden:int, kv_heads:int, vocab:int):
 @pytest.mark.long  # measured accuracy, every layout on 4 ranks (8 s): bash run.sh test-long
 def test_llama_layouts_measured_equal_estimates():
     "A Hugging Face Llama from a config: TP × FSDP, TP alone and PP × FSDP (traced stages) on 4 ranks: exact states"
-    from dtnb.parallel.tensor import Degrees
+    from dtnb.parallel.parallelize import Degrees
     m = _llama(hidden=64, kv_heads=4, vocab=256)
     ids = torch.randint(0, 256, (4, 16))  # pp 2: 4 microbatches of one sequence, the first traced by torch
     layouts = [Degrees(dp_shard=2, tp=2), Degrees(tp=4), Degrees(pp=2, dp_shard=2)]
@@ -279,7 +279,7 @@ def test_llama_layouts_measured_equal_estimates():
 @pytest.mark.long  # measured accuracy, 3 layouts on 4 ranks (6 s): bash run.sh test-long
 def test_sequence_parallel_layouts_measured_equal_estimates():
     "Ulysses as a degree: FSDP over dp_shard × sp, DDP over dp_replicate × sp, tp × sp: exact states, activations ÷ sp"
-    from dtnb.parallel.tensor import Degrees
+    from dtnb.parallel.parallelize import Degrees
     m = _llama(hidden=32, kv_heads=2, vocab=128)
     ids = torch.randint(0, 128, (2, 16))
     batch = dict(input_ids=ids, labels=ids)  # every rank of an sp group gets it; ulysses cuts its sequences in two
@@ -295,7 +295,7 @@ def test_sequence_parallel_layouts_measured_equal_estimates():
             assert x['activations'] < 0.6 * whole['activations']  # half of every sequence, measured
 
 def test_layout_errors_say_what_to_do():
-    from dtnb.parallel.tensor import Degrees
+    from dtnb.parallel.parallelize import Degrees
     m = ToyModel()
     with pytest.raises(ValueError, match="one world size of 2 ranks or more"):
         measure_memory(m, XY, degrees=[Degrees(dp_shard=2), Degrees(dp_shard=4)])
@@ -308,7 +308,7 @@ def test_classic_tp_layouts_measured_equal_estimates():
     "Fused q/k/v split by head groups (a nanoGPT-style GPT, GPT-2's Conv1D), head counts per rank: exact states and "\
     "activations, traced on the tp-local copy with one rank's heads"
     import models_tp as mt
-    from dtnb.parallel.tensor import Degrees
+    from dtnb.parallel.parallelize import Degrees
     transformers = pytest.importorskip('transformers')
     ids = torch.randint(0, 64, (4, 16))
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64,

@@ -11,7 +11,8 @@ from dtnb.core.models import ToyModel, Block, TinyTransformer, toy_data, toy_seq
 from dtnb.parallel.pipeline_split import split_model, pipeline_units, balance_bounds
 from dtnb.parallel.pipeline_schedules import schedule_order, simulate_schedule, bubble_fraction, SCHEDULES
 from dtnb.parallel.pipeline import apply_pipeline, Pipeline
-from dtnb.parallel.tensor import Degrees, parallelize, data_rank, tp_plan, apply_tp
+from dtnb.parallel.tensor import tp_plan, apply_tp
+from dtnb.parallel.parallelize import Degrees, parallelize, data_rank
 from dtnb.core.utils import torch_version, TORCH_NEEDS
 
 def too_old(feature):

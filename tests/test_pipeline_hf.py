@@ -10,7 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from dtnb.launcher.processes import launch, LaunchError
 from dtnb.core.utils import torch_version, TORCH_NEEDS
 from dtnb.parallel.pipeline import apply_pipeline, causal_lm_loss, Pipeline
-from dtnb.parallel.tensor import Degrees, parallelize
+from dtnb.parallel.parallelize import Degrees, parallelize
 from dtnb.plan.memory import estimate_memory
 from dtnb.plan.measure import _stage_bytes
 
@@ -139,7 +139,7 @@ def full(t): return t.full_tensor() if hasattr(t, 'full_tensor') else t
 def ranked_dp(layouts):
     """Pipeline × data parallel on 4 ranks, each layout from the start: pp 2 × (dp_shard 2: FSDP2 over each traced
     stage, or dp_replicate 2); each data-parallel rank trains on its half of every batch"""
-    from dtnb.parallel.tensor import data_rank
+    from dtnb.parallel.parallelize import data_rank
     ids, out = tokens(), {}
     for name, dp in layouts:
         deg = Degrees(pp=2, **{dp: 2})

@@ -1,4 +1,4 @@
-"""Tensor parallel on classic model code against one process (03fb, 03g): fused q/k/v layers split by head groups,
+"""Tensor parallel on classic model code against one process (03fb, 03g, 03i): fused q/k/v layers split by head groups,
 head counts stored on the module set per rank; 3 AdamW steps, losses and parameters compared. The notebook proves
 `tp=2`; here the 4-rank layouts, a user's plan naming the fused layer, Hugging Face's fused layouts and the refusals.
 The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
@@ -48,7 +48,7 @@ def train(model, batches):
 def tied(model): return len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
 
 def _ranked(name, degrees, plan=None):
-    from dtnb.parallel.tensor import Degrees, parallelize, data_rank
+    from dtnb.parallel.parallelize import Degrees, parallelize, data_rank
     from dtnb.parallel.heads import original_rows
     d = Degrees(**degrees)
     mesh = d.build_mesh()
@@ -94,7 +94,7 @@ def test_hugging_face_fused_layouts_equal_one_process(name, atol):
 
 
 def _split(make, tp=2):
-    from dtnb.parallel.tensor import Degrees, parallelize
+    from dtnb.parallel.parallelize import Degrees, parallelize
     parallelize(make(), Degrees(tp=tp))
 
 def test_attention_written_inline_is_refused_before_any_step():
@@ -111,7 +111,7 @@ def test_a_forward_using_its_input_beyond_q_k_v_stops_at_that_line():
         def forward(self, x): return super().forward(self.norm(x))
     def step():
         _split_model = torch.nn.Sequential(NormedAttention())
-        from dtnb.parallel.tensor import Degrees, parallelize
+        from dtnb.parallel.parallelize import Degrees, parallelize
         parallelize(_split_model, Degrees(tp=2))(torch.randn(2, 4, 32))
     with pytest.raises(LaunchError) as e: launch(step, nprocs=2, device='cpu')
     assert "0's forward used its input for layer_norm: under tensor parallel" in str(e.value)

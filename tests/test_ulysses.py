@@ -1,5 +1,5 @@
 """Sequence parallel (Ulysses) on a transformers Llama against one process: wrapped by hand (03h), and as a degree of
-`parallelize` (03g).
+`parallelize` (03i).
 The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
 import pytest, torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ def test_ulysses_fsdp_equals_one_process():
 BATCHES = torch.randint(0, VOCAB, (3, 4, 32), generator=torch.Generator().manual_seed(1))  # steps, batch, sequence
 
 def _parallelized(degrees):
-    from dtnb.parallel.tensor import Degrees, parallelize, data_rank
+    from dtnb.parallel.parallelize import Degrees, parallelize, data_rank
     d = Degrees(**degrees)
     mesh = d.build_mesh()
     model = parallelize(llama(), d, mesh=mesh)
@@ -67,7 +67,7 @@ def _parallelized(degrees):
     (dict(dp_replicate=2, sp=2), 'DistributedDataParallel'),   # DDP over dp_replicate × sp
     pytest.param(dict(dp_replicate=2, dp_shard=2, sp=2), 'FSDPLlamaForCausalLM', marks=pytest.mark.long)])  # 8 ranks
 def test_parallelize_sp_equals_one_process(degrees, wrapped):
-    from dtnb.parallel.tensor import Degrees
+    from dtnb.parallel.parallelize import Degrees
     ref = llama()
     opt, ref_losses = torch.optim.AdamW(ref.parameters(), lr=1e-2), []
     for t in BATCHES:

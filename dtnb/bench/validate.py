@@ -13,7 +13,8 @@ import torch.distributed as dist
 from ..core.models import TinyTransformer
 from ..core.utils import md_table, text_table
 from ..launcher.processes import launch
-from ..parallel.tensor import Degrees, parallelize, apply_tp
+from ..parallel.tensor import apply_tp
+from ..parallel.parallelize import Degrees, parallelize
 from ..parallel.wrap import wrap
 from ..plan.memory import TransformerShape
 from ..plan.recommend import Node, step_parts, transformer_flops, colwise_per_layer

@@ -1,4 +1,4 @@
-"""Tensor parallelism, and every parallelism at once: one degrees object, one named mesh, one `parallelize` call.
+"""Tensor parallelism: each rank holds a slice of every layer, colwise then rowwise, checked against one process.
 
 Docs: https://dtnb-dev.github.io/dtnb/parallel.tensor.html.md"""
 
@@ -7,19 +7,13 @@ Docs: https://dtnb-dev.github.io/dtnb/parallel.tensor.html.md"""
 # %% ../../nbs/03g_parallel.tensor.ipynb #e39d1587
 from __future__ import annotations
 import fnmatch
-from dataclasses import dataclass, asdict
 import torch
 from torch import nn
-from ..core.utils import md_table, text_table, needs_torch
-from ..core.dist import require_group, current_device, world_size
-from .wrap import wrap
 from ..core.models import find_blocks
-from .pipeline import Pipeline, pipeline_stages
-from .ulysses import ulysses
 from .heads import FUSED, is_conv1d, features, head_specs, split_heads, conv1d_parallel
 
 # %% auto #0
-__all__ = ['COLWISE', 'ROWWISE', 'tp_pairs', 'tp_plan', 'apply_tp', 'Degrees', 'apply_ac', 'apply_dp', 'data_rank', 'parallelize']
+__all__ = ['COLWISE', 'ROWWISE', 'tp_pairs', 'tp_plan', 'apply_tp']
 
 # %% ../../nbs/03g_parallel.tensor.ipynb #68eacbdb
 COLWISE = ('up', 'gate', 'w1', 'w3', 'fc1', 'c_fc', 'q', 'k', 'v', 'wq', 'wk', 'wv', 'q_proj', 'k_proj', 'v_proj',
@@ -115,185 +109,3 @@ def apply_tp(model:nn.Module, mesh, plan:dict|None=None, sequence_parallel:bool=
     for k in conv:
         for m in _matching(model, k): conv1d_parallel(m, mesh, plan[k])
     return parallelize_module(model, mesh, {k: v for k, v in plan.items() if k not in conv})
-
-# %% ../../nbs/03g_parallel.tensor.ipynb #c8e2e856
-_DIMS = ('pp', 'dp_replicate', 'dp_shard', 'sp', 'tp')  # mesh order: the most talkative innermost (neighbours)
-_job_world_size = world_size
-
-def _resolve(d, ws:int):
-    "`d` with its -1 filled in, checked against the world size `ws`"
-    known = [k for k in _DIMS if getattr(d, k) != -1]
-    prod = 1
-    for k in known: prod *= getattr(d, k)
-    if len(known) < len(_DIMS):
-        free = next(k for k in _DIMS if getattr(d, k) == -1)
-        if ws % prod:
-            raise ValueError(f"{free}=-1 takes what the other degrees leave, but they need {prod} ranks "
-                             f"({' × '.join(f'{k} {getattr(d, k)}' for k in known if k != 'sp' or d.sp != 1)}), "
-                             f"which does not divide the "
-                             f"world size {ws}")
-        return type(d)(**{**asdict(d), free: ws // prod})
-    if prod != ws:
-        fix = next((f"{k}={ws * getattr(d, k) // prod}" for k in ('dp_shard', 'dp_replicate', 'tp', 'pp', 'sp')
-                    if (ws * getattr(d, k)) % prod == 0), None)
-        raise ValueError(f"{d._arith()} = {prod}, but the world size is {ws}: make the product equal {ws}"
-                         + (f" (e.g. {fix})" if fix else ''))
-    return d
-
-# %% ../../nbs/03g_parallel.tensor.ipynb #4cef8496
-@dataclass
-class Degrees:
-    "How many ways each parallelism splits the job: dp_replicate × dp_shard × tp × pp × sp = world size"
-    dp_replicate:int=1  # data-parallel replicas (DDP; with dp_shard > 1, HSDP replica groups)
-    dp_shard:int=1      # data-parallel ranks sharding parameters, gradients and optimizer state (FSDP)
-    tp:int=1            # tensor-parallel ranks: each holds a slice of every layer
-    pp:int=1            # pipeline ranks: each runs a slice of the layers
-    sp:int=1            # sequence-parallel ranks (Ulysses): each runs every layer on a slice of every sequence
-
-    def __post_init__(self):
-        for k in _DIMS:
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and v != -1):
-                raise ValueError(f"{k}={v!r}: each degree is a whole number >= 1, or -1 for whatever the others leave")
-        if sum(getattr(self, k) == -1 for k in _DIMS) > 1:
-            raise ValueError("only one degree can be -1 (whatever the others leave)")
-
-    def resolve(self, world_size:int|None=None) -> Degrees:
-        "These degrees with a -1 filled in, checked against `world_size` (default: the running job's)"
-        return _resolve(self, world_size or _job_world_size())
-    @property
-    def world_size(self) -> int:
-        "Ranks these degrees need"
-        if -1 in self.sizes: raise ValueError(f"{self._arith()} has a -1 degree: call .resolve(world_size) first")
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.sp
-    @property
-    def dims(self) -> tuple: return _DIMS  # the mesh's dimension names, outermost first
-    @property
-    def sizes(self) -> tuple: return tuple(getattr(self, k) for k in _DIMS)  # in mesh order (`dims`)
-    @property
-    def dp(self) -> int: return self.dp_replicate * self.dp_shard
-    @property
-    def dp_replicate_enabled(self) -> bool: return self.dp_replicate > 1
-    @property
-    def dp_shard_enabled(self) -> bool: return self.dp_shard > 1
-    @property
-    def dp_enabled(self) -> bool: return self.dp > 1
-    @property
-    def tp_enabled(self) -> bool: return self.tp > 1
-    @property
-    def pp_enabled(self) -> bool: return self.pp > 1
-    @property
-    def sp_enabled(self) -> bool: return self.sp > 1
-    @property
-    def enabled(self) -> list: return [k for k in _DIMS if getattr(self, k) > 1]
-    @property
-    def state_splits(self) -> list:
-        "The degrees that split a rank's parameters, gradients and optimizer state (FSDP shards over sp's ranks too)"
-        return [k for k in ('pp', 'tp', 'dp_shard') if getattr(self, k) > 1] + ['sp'] * (self.sp > 1 < self.dp_shard)
-
-    def build_mesh(self, device_type:str|None=None):
-        "A DeviceMesh over all ranks, dimensions named pp, dp_replicate, dp_shard, sp, tp (each there, size 1 when off)"
-        from torch.distributed.device_mesh import init_device_mesh
-        d = self.resolve()
-        return init_device_mesh(device_type or current_device().type, d.sizes, mesh_dim_names=_DIMS)
-
-    def _arith(self, on:bool=False):  # on: only the degrees > 1; sp only when it is not 1 (most layouts leave it off)
-        return ' × '.join(f"{k} {v}" for k in ('dp_replicate', 'dp_shard', 'tp', 'pp', 'sp')
-                          if (v := getattr(self, k)) > 1 or not on and (k != 'sp' or v != 1))
-    def _rows(self): return [(k, getattr(self, k), 'on' if getattr(self, k) > 1 else '—') for k in _DIMS]
-    def _repr_markdown_(self): return md_table(('parallelism', 'degree', ''), self._rows()) + f"\n\n{self._arith()}"
-    def __str__(self): return text_table(('parallelism', 'degree', ''), self._rows()) + f"\n{self._arith()}"
-    def to_dict(self): return dict(asdict(self), enabled=self.enabled)
-
-# %% ../../nbs/03g_parallel.tensor.ipynb #a42d2fa7
-def _blocks(model, layer_cls=None) -> list:
-    "The block modules of `model`: `find_blocks(model, layer_cls)`"
-    return [model.get_submodule(b) for b in find_blocks(model, layer_cls)]
-
-def apply_ac(model:nn.Module, layer_cls=None) -> nn.Module:
-    "Recompute each block's activations during backward instead of keeping them (parameter names unchanged)"
-    from torch.distributed._composable import checkpoint
-    for b in _blocks(model, layer_cls): checkpoint(b)
-    return model
-
-def _with_sp(mesh, dim:str, degrees:Degrees):
-    "(name, 1-D mesh) of `dim`, joined with `sp`'s ranks when sp is on: they hold the same parameters and, each with "\
-    "its slice of the sequences, average their gradients as data-parallel ranks do"
-    if not degrees.sp_enabled: return dim, mesh[dim]
-    name = f"{dim}_sp"
-    return name, mesh[dim, 'sp']._flatten(name)
-
-def apply_dp(model:nn.Module, degrees:Degrees, mesh, device=None, layer_cls=None) -> nn.Module:
-    "Data parallelism over `mesh`'s data dimensions (sp's too): FSDP2 over dp_shard (HSDP with dp_replicate), else DDP"
-    if degrees.dp_shard_enabled:
-        from torch.distributed.fsdp import fully_shard
-        name, shard = _with_sp(mesh, 'dp_shard', degrees)
-        dp_mesh = mesh['dp_replicate', name] if degrees.dp_replicate_enabled else shard
-        for b in _blocks(model, layer_cls): fully_shard(b, mesh=dp_mesh)
-        return fully_shard(model, mesh=dp_mesh)
-    _, rep = _with_sp(mesh, 'dp_replicate', degrees)
-    if rep.size() == 1: return model
-    if not (degrees.tp_enabled or degrees.pp_enabled):
-        return wrap(model, 'ddp', device=device, process_group=rep.get_group())
-    # DDP of DTensor parameters, and of stages that run several forwards before their backwards: FSDP-based replicate
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-    for b in _blocks(model, layer_cls): replicate(b, mesh=rep)
-    return replicate(model, mesh=rep)
-
-# %% ../../nbs/03g_parallel.tensor.ipynb #3123d793
-def data_rank(mesh) -> tuple[int, int]:
-    "(this rank's data shard, number of shards): ranks that differ only in tp, pp or sp must load the same batches"
-    r, s = mesh.get_local_rank('dp_replicate'), mesh.get_local_rank('dp_shard')
-    return r * mesh['dp_shard'].size() + s, mesh['dp_replicate'].size() * mesh['dp_shard'].size()
-
-# %% ../../nbs/03g_parallel.tensor.ipynb #d3718bcd
-def parallelize(model:nn.Module,
-                degrees:Degrees,
-                loss_fn=None,                    # with pp: loss_fn(output, target), the mean loss of a microbatch
-                *, mesh=None,                    # a DeviceMesh from degrees.build_mesh(); default: built here
-                plan:dict|None=None,             # tensor-parallel plan (default: `tp_plan(stage)`)
-                sequence_parallel:bool=False,    # with tp: split norms and activations between layers by sequence
-                activation_checkpointing:bool=False, # recompute each block's activations in backward
-                layer_cls=None,                  # block class(es) or name(s); default: the classes `find_blocks` finds
-                schedule:str='1f1b', n_microbatches:int|None=None, n_stages:int|None=None,
-                split_points:list|None=None, balance:str='params', example=None, # pipeline options: see `pipeline`
-                device=None):                    # default: this rank's device
-    "Apply what `degrees` turns on to `model`: pipeline split, Ulysses, checkpointing, tensor parallel, FSDP or DDP"
-    require_group("parallelize(model, degrees)")
-    degrees = degrees.resolve()
-    dev = torch.device(device) if device is not None else current_device()
-    if sequence_parallel and not degrees.tp_enabled:
-        raise ValueError("sequence_parallel=True splits activations over the tensor-parallel ranks: it needs tp > 1")
-    if not degrees.pp_enabled and (n_stages or split_points or n_microbatches):
-        raise ValueError(f"n_stages, split_points and n_microbatches are pipeline options, but pp={degrees.pp}: "
-                         "set pp > 1 in the degrees")
-    if degrees.pp_enabled and loss_fn is None:
-        raise ValueError(f"pp={degrees.pp}: a pipeline computes the loss on its last stage and trains with "
-                         "step(inputs, targets); pass loss_fn=")
-    if sequence_parallel and degrees.pp_enabled: needs_torch('sequence parallel in a pipeline', "or drop one of them")
-    if degrees.sp_enabled and degrees.pp_enabled:
-        raise ValueError(f"sp={degrees.sp} splits the sequences of the whole model's inputs and labels, which a "
-                         f"pipeline's stages never see (pp={degrees.pp}): use sp with dp_shard, dp_replicate and tp")
-    mesh = mesh if mesh is not None else degrees.build_mesh(dev.type)
-    if degrees.sp_enabled:  # 1. Ulysses: every rank of an sp group loads the same batch, as `data_rank` says
-        ulysses(model, group=mesh['sp'].get_group())
-        model._dtnb_ulysses_data = dict(zip(('rank', 'num_replicas'), data_rank(mesh)))  # for `ulysses_data`
-    cls = layer_cls
-    if degrees.pp_enabled:  # a stage may hold one block of a stack: the block classes come from the whole model
-        if cls is None: cls = tuple({type(model.get_submodule(b)) for b in find_blocks(model)})
-        pp = mesh['pp'].get_group()
-        split, mine, mods = pipeline_stages(model, n_stages, split_points, schedule, balance, example, pp)
-        if split.trace is not None and (activation_checkpointing or degrees.tp_enabled):
-            raise ValueError(f"{type(model).__name__} is not a chain of units: torch's tracer cut it, and traced "
-                             "stages run as traced, with pipeline and data parallelism (FSDP or DDP over each "
-                             "whole stage) alone: drop activation_checkpointing and tp, or make the model a chain")
-    else: mods = [model]
-    out = []
-    for m in mods:                                                  # each pipeline stage (or the whole model):
-        m = m.to(dev)
-        if activation_checkpointing: apply_ac(m, cls)               # 2. activation checkpointing
-        if degrees.tp_enabled: apply_tp(m, mesh['tp'], plan, sequence_parallel, cls)  # 3. tensor parallel
-        out.append(apply_dp(m, degrees, mesh, dev, cls))            # 4. FSDP / DDP
-    if not degrees.pp_enabled: return out[0]
-    dp_groups = [mesh[k].get_group() for k in ('dp_replicate', 'dp_shard') if mesh[k].size() > 1]
-    return Pipeline(out, mine, split.n_stages, loss_fn, schedule, n_microbatches, pp, dev, split, dp_groups)

@@ -20,7 +20,7 @@ from .activations import SavedCounter, measured_loss, trace_activations
 from .memory import check_setup, estimate_memory
 from ..parallel.pipeline import apply_pipeline, step_batch, Pipeline, causal_lm_loss
 from ..core.batches import BatchLoss, output_logits, takes_labels
-from ..parallel.tensor import Degrees, parallelize
+from ..parallel.parallelize import Degrees, parallelize
 from .memory import tp_local
 
 # %% auto #0

@@ -14,7 +14,8 @@ from ..core.models import find_blocks
 from ..core.batches import BatchLoss
 from .activations import ActivationTrace, trace_activations
 from ..parallel.pipeline_split import split_model, chain_problem, traced_stage_tensors
-from ..parallel.tensor import Degrees, tp_plan
+from ..parallel.tensor import tp_plan
+from ..parallel.parallelize import Degrees
 from ..parallel.heads import is_conv1d, features, head_specs, split_heads
 from ..parallel.ulysses import check_sp
 
@@ -376,8 +377,9 @@ def layout_sizes(model:nn.Module, degrees:Degrees, rank:int=0, example=None, uni
     shapes = [(tps.get(id(p), tuple(p.shape)), p.requires_grad) for p in ps]
     sizes = ModelSizes(shapes, sum(b.numel() * b.element_size() for b in bs),
                        model_sizes(model, units).largest_unit // degrees.tp)
-    f = degrees.sp if degrees.dp_shard > 1 else 1  # FSDP2 shards over dp_shard × sp: padded chunks of dim 0, the
-    ds, s = degrees.dp_shard * f, c['dp_shard'] * f + c['sp'] % f  # optimizer sees its own rows
+    ds = degrees.shard_size  # FSDP2 shards over dp_shard (× sp): padded chunks of dim 0, the optimizer sees its rows
+    f = ds // degrees.dp_shard  # sp's ranks inside each dp_shard rank's chunk, or 1
+    s = c['dp_shard'] * f + c['sp'] % f
     return sizes, (sum(shard_numel(sh, ds) for sh, _ in shapes), sum(shard_numel(sh, ds) for sh, t in shapes if t),
                    sum(shard_numel(sh, ds, s) for sh, t in shapes if t))
 
@@ -412,7 +414,7 @@ def _layout_states(model, d, rank, example, units, shape):
         return sizes, *elems, sizes.largest_unit
     c = layout_coords(d, rank)
     n = shape.stage_params(d.pp, c['pp'], d.tp) if shape else -(-int(model) // (d.pp * d.tp))
-    n = -(-n // (d.dp_shard * (d.sp if d.dp_shard > 1 else 1)))  # FSDP shards over sp's ranks too
+    n = -(-n // d.shard_size)  # FSDP shards over sp's ranks too
     return None, n, n, n, (-(-int(model) // (shape.layers * d.tp)) if shape else None)
 
 def _estimate_layout(model, degrees, strategy, world_size, optimizer, precision, batch, loss_fn, shape, ac, offload,

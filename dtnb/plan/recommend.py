@@ -13,7 +13,8 @@ from .activations import trace_activations
 from ..parallel.pipeline_split import pipeline_units
 from .memory import OPTIMIZERS, ALIASES, SHARDS, TransformerShape, MemoryEstimate, estimate_memory
 from .memory import tp_linears
-from ..parallel.tensor import Degrees, tp_pairs
+from ..parallel.parallelize import Degrees
+from ..parallel.tensor import tp_pairs
 from ..parallel.pipeline_schedules import schedule_order, simulate_schedule
 
 # %% auto #0
@@ -274,8 +275,7 @@ def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISIO
     link = lambda ranks: node.intra if ranks <= node.devices else node.inter  # a group of consecutive ranks
     wire = lambda b, calls, rate: on_link(b, calls, rate, node.burst, compute / max(1, calls))
     g = shape.params() / (d.tp * d.pp) * p.grads  # gradient bytes of one rank's stage and tp slice
-    fs = d.dp_shard * (d.sp if d.dp_shard > 1 else 1)  # FSDP shards over dp_shard x sp (sp ranks hold the same)
-    rep = d.dp_replicate * (d.sp if d.dp_shard == 1 else 1)  # replicas of each shard: DDP, HSDP, sp without FSDP
+    fs, rep = d.shard_size, d.replicas  # FSDP's shards (dp_shard x sp) and replicas of each: DDP, HSDP, sp alone
     n = step_collectives(shape, d, g / fs, reshard)
     mb = m if d.pp_enabled else 1
     # tp: one all-reduce for each split Linear (rowwise: its output; colwise: its input's gradient), each micro-batch
@@ -316,7 +316,7 @@ def step_collectives(shape:TransformerShape, d:Degrees, grad_bytes:float=0, resh
     "Collectives (pipeline: sends) one rank starts in a step, by part; each costs `Node.latency` beside its bytes"
     mb, units = 2 * d.pp if d.pp_enabled else 1, shape.layers / d.pp + 1  # FSDP's and replicate's: blocks, the root
     rep = units if (d.tp_enabled or d.pp_enabled or d.dp_shard_enabled) else ddp_buckets(grad_bytes)
-    replicas = d.dp_replicate_enabled or (d.sp_enabled and not d.dp_shard_enabled)  # sp ranks' gradients: summed
+    replicas = d.replicas > 1  # DDP, HSDP, or sp's ranks without FSDP: gradients summed
     split = shape.colwise + 2  # the Linears tp splits in a layer: the colwise ones and two rowwise (attention, MLP out)
     return dict(tp=split * shape.layers / d.pp * mb * d.tp_enabled,  # one all-reduce each, forward or backward
                 sp=8 * shape.layers * d.sp_enabled,  # Ulysses' all-to-alls: 4 forward, 4 backward, per layer
