@@ -12,7 +12,8 @@ from torch import nn
 
 # %% auto #0
 __all__ = ['FUSED', 'QKV', 'HEADS', 'KV_HEADS', 'WIDTHS', 'head_rows', 'is_conv1d', 'features', 'fused_parts', 'NarrowInput',
-           'local_attrs', 'head_specs', 'split_heads', 'original_rows', 'conv1d_parallel']
+           'local_attrs', 'head_specs', 'own_outputs', 'split_heads', 'reordered', 'original_rows', 'original_layout',
+           'load_original', 'conv1d_parallel']
 
 # %% ../../nbs/03fb_parallel.heads.ipynb #bb2841fe
 FUSED = {'c_attn': 'stacked', 'qkv_proj': 'stacked', 'Wqkv': 'stacked', 'query_key_value': 'grouped',
@@ -74,8 +75,11 @@ def fused_parts(attn:nn.Module, child:str, tp:int, where:str='') -> list|None:
         return [out // 2] * 2
     if kind == 'grouped':  # whole heads (GPT-NeoX) or key/value groups (Falcon's new architecture) in a row
         if getattr(attn, 'multi_query', False) and not getattr(attn, 'new_decoder_architecture', False):
-            raise ValueError(f"{where} holds one key/value head that every query head shares (multi_query): it cannot "
-                             f"be split by heads over tp={tp} ranks; leave attention whole (plan= without {where})")
+            a = where.rpartition('.')[0].rpartition('.')[2] or type(attn).__name__
+            raise ValueError(f"{where} holds one key/value head that every query head shares ({type(attn).__name__}"
+                             f".multi_query=True): its rows cannot be split by heads over tp={tp} ranks; leave the "
+                             f"attention whole and split the rest: plan={{k: s for k, s in tp_plan(model).items() "
+                             f"if '.{a}.' not in k}}")
         kn, n = _count(attn, KV_HEADS) if getattr(attn, 'new_decoder_architecture', False) else _count(attn, HEADS)
         hd = getattr(attn, 'head_size', None) or getattr(attn, 'head_dim', None)
         n, kn = (n, kn) if n else (out // (3 * hd), 'heads')
@@ -159,7 +163,7 @@ def _alone(model, a, name, planned, layers, sequence_parallel):
 
 def head_specs(model:nn.Module, plan:dict, tp:int, sequence_parallel:bool=False) -> dict:
     "What `split_heads` changes for `plan` over `tp` ranks, checked: {'fused': {layer: part rows or None}, "\
-    "'attention': {module: (attributes, input width, q/k/v layers)}}"
+    "'attention': {module: (attributes, input width, q/k/v layers)}, 'outputs': [the planned modules]}"
     from torch.distributed.tensor.parallel import ColwiseParallel
     planned = _planned(model, plan)
     fused, attn = {}, {}
@@ -183,7 +187,29 @@ def head_specs(model:nn.Module, plan:dict, tp:int, sequence_parallel:bool=False)
             attrs['config'] = copy.copy(cfg)
             for k, v in local_attrs(cfg, None, tp, f"{name}.config").items(): setattr(attrs['config'], k, v)
         out[name] = (attrs, width, layers)
-    return dict(fused=fused, attention=out)
+    return dict(fused=fused, attention=out, outputs=sorted(planned))
+
+# %% ../../nbs/03fb_parallel.heads.ipynb #4070c482
+class _Own(torch.autograd.Function):
+    "`x` as a tensor of its own, not a view: autograd lets the caller change it in place; the gradient passes through"
+    @staticmethod
+    def forward(ctx, x): return x.detach()  # the same memory; a view autograd does not track
+    @staticmethod
+    def backward(ctx, g): return g
+
+def _own(m, args, out):
+    "Forward hook: the layer's output, a view of its DTensor's local tensor (`to_local`), as a tensor of its own"
+    if torch.is_tensor(out) and type(out).__name__ != 'DTensor' and out._is_view(): return _Own.apply(out)
+
+def _register_own(m, args):
+    "Forward pre-hook, once: register `_own` after the output hooks that torch's styles registered since"
+    m._dtnb_own.remove()
+    m.register_forward_hook(_own)
+
+def own_outputs(m:nn.Module) -> nn.Module:
+    "Let code change `m`'s tensor-parallel output in place (`+=`), as on one process: from its first forward on"
+    if not hasattr(m, '_dtnb_own'): m._dtnb_own = m.register_forward_pre_hook(_register_own)
+    return m
 
 # %% ../../nbs/03fb_parallel.heads.ipynb #93ce7e23
 @torch.no_grad()
@@ -202,19 +228,76 @@ def split_heads(model:nn.Module, specs:dict, tp:int) -> nn.Module:
         a._dtnb_heads = (n or type(model).__name__, width, tp)
         a.register_forward_pre_hook(_narrow, with_kwargs=True)
         for l in layers: a.get_submodule(l).register_forward_pre_hook(_widen, prepend=True)
+    for n in specs.get('outputs', ()): own_outputs(model.get_submodule(n))
     return model
 
 # %% ../../nbs/03fb_parallel.heads.ipynb #119dbf6a
-def original_rows(model:nn.Module, state_dict:dict) -> dict:
+def _stages(model) -> list:
+    "The nn.Modules of `model`: itself, or a dtnb pipeline's stages (its `.modules` list)"
+    if isinstance(model, nn.Module): return [model]
+    return [m for m in (getattr(model, 'modules', None) or []) if isinstance(m, nn.Module)]
+
+def _fqn(model, name):
+    "The state-dict key of `model`'s parameter `name` (without DDP's, torch.compile's, ... wrapper prefixes)"
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+    try: return next(iter(_get_fqns(model, name)))
+    except Exception: return name
+
+def reordered(model) -> dict:
+    "{state-dict key: (row order, dimension)} of the fused layers that `split_heads` re-ordered in `model` "\
+    "(a module or a dtnb pipeline); {} when none was"
+    out = {}
+    for stage in _stages(model):
+        for n, m in stage.named_modules():
+            if (rows := getattr(m, '_dtnb_rows', None)) is None: continue
+            for p in ('weight', 'bias'):
+                if getattr(m, p, None) is not None:
+                    out[_fqn(stage, f"{n}.{p}" if n else p)] = (rows, 1 if p == 'weight' and is_conv1d(m) else 0)
+    return out
+
+def original_rows(model, state_dict:dict) -> dict:
     "`state_dict` (full tensors) with each re-ordered fused layer of `model` back in the model's own row order"
     out = dict(state_dict)
-    for n, m in model.named_modules():
-        if (rows := getattr(m, '_dtnb_rows', None)) is None: continue
-        back = torch.argsort(rows)
-        for p in ('weight', 'bias'):
-            k = f"{n}.{p}" if n else p
-            if out.get(k) is not None: out[k] = out[k][:, back] if p == 'weight' and is_conv1d(m) else out[k][back]
+    for k, (rows, dim) in reordered(model).items():
+        if out.get(k) is not None: out[k] = out[k].index_select(dim, torch.argsort(rows).to(out[k].device))
     return out
+
+# %% ../../nbs/03fb_parallel.heads.ipynb #875d70fb
+def _entries(model, sd:dict):
+    "(kind, key, row order, dimension) of each entry of `sd` ({'model': ..., 'optim': ...}) that is re-ordered"
+    for k, (rows, dim) in reordered(model).items():
+        for kind, d in sd.items():
+            for key in ([k] if kind == 'model' else sorted(x for x in d if x.startswith(f"state.{k}."))):
+                v = d.get(key)
+                if torch.is_tensor(v) and v.dim() > dim and v.shape[dim] == len(rows): yield kind, key, rows, dim
+
+def original_layout(model, sd:dict) -> dict:
+    "`sd` with its re-ordered entries whole, in the model's own row order: what a checkpoint stores. A collective "\
+    "of the ranks that split them"
+    out = {kind: dict(d) for kind, d in sd.items()}
+    for kind, key, rows, dim in _entries(model, sd):
+        v = out[kind][key]
+        v = v.full_tensor() if type(v).__name__ == 'DTensor' else v
+        out[kind][key] = v.detach().index_select(dim, torch.argsort(rows).to(v.device))
+    return out
+
+def load_original(model, sd:dict):
+    "Put plain whole tensors in `sd` where the re-ordered entries are, for a checkpoint in the original layout to "\
+    "load into; returns the function that puts them, once loaded, back as the model holds them"
+    done = []
+    for kind, key, rows, dim in _entries(model, sd):
+        v = sd[kind][key]
+        sd[kind][key] = torch.empty(v.shape, dtype=v.dtype, device=getattr(v, 'device', None))
+        done.append((kind, key, rows, dim, v))
+    def back():
+        from torch.distributed.tensor import distribute_tensor
+        for kind, key, rows, dim, v in done:
+            full = sd[kind][key].index_select(dim, rows.to(sd[kind][key].device))
+            if type(v).__name__ == 'DTensor':  # each rank its own part of the whole it read: no communication
+                full = distribute_tensor(full, v.device_mesh, v.placements, src_data_rank=None)
+            sd[kind][key] = full
+        return sd
+    return back
 
 # %% ../../nbs/03fb_parallel.heads.ipynb #836310fd
 def conv1d_parallel(m:nn.Module, mesh, style) -> nn.Module:

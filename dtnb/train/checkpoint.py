@@ -16,6 +16,7 @@ from torch import nn
 from ..core.utils import md_table, text_table
 from ..core.dist import dist_or_none, rank_world, all_gather_objects, agree
 from .resume_state import rng_state, check_loadable
+from ..parallel.heads import original_layout
 
 # %% auto #0
 __all__ = ['FORMAT', 'VERSION', 'MARKER', 'CHECKSUM', 'CheckpointError', 'checkpoint_path', 'rank_file', 'quiet', 'state_dicts',
@@ -61,7 +62,6 @@ def _module(model) -> nn.Module:
     raise TypeError("checkpoints need the model as an nn.Module (plain, DDP or FSDP) or a dtnb pipeline; "
                     f"got {type(model).__name__}")
 
-# %% ../../nbs/05b_train.checkpoint.ipynb #c011
 def _unprefix(kind, key):
     "Drop the _Stages index from a key: '1.layers.2.up.weight' -> 'layers.2.up.weight'; 'state.1.x' -> 'state.x'"
     if kind == 'model': return key.split('.', 1)[1]
@@ -343,7 +343,7 @@ def save_checkpoint(path,                        # directory to create, e.g. che
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint, or None for all")
     r, ws = rank_world()
-    sd, _ = state_dicts(model, optimizer)
+    sd = original_layout(model, state_dicts(model, optimizer)[0])  # fused layers split by heads: in the model's order
     bufs = {k: (list(v.shape), str(v.dtype)) for k, v in live_buffers(model, sd).items()}
     rankfile = dict(rank=r, world_size=ws, rng=rng_state(), data=loader.state_dict() if loader is not None else None)
     meta = dict(format=FORMAT, version=VERSION, checksum=CHECKSUM, step=int(step), world_size=ws,

@@ -17,6 +17,7 @@ from .checkpoint import MARKER, CheckpointError, quiet, state_dicts, read_marker
 from ..core.dist import dist_or_none, rank_world, all_gather_objects
 from .checkpoint import file_checksum, load_pt, rank_file, wait_pending, set_state, looks_like_checkpoint
 from .checkpoint import live_buffers, local_shapes, merge_shapes
+from ..parallel.heads import load_original
 
 # %% auto #0
 __all__ = ['check_metadata', 'safe_dcp', 'mismatch', 'verify_checkpoint', 'resolve', 'latest_everywhere', 'Checkpoint',
@@ -246,11 +247,12 @@ def load_checkpoint(path,                     # a checkpoint directory, or a dir
     check_metadata(path)
     _check_fits(path, meta, merge_shapes(p[3] for p in parts), optimizer is not None)
     Reader, Planner, _ = safe_dcp()
+    in_rows = load_original(model, sd)  # fused layers split by heads: read whole, then in this model's order
     try:
         with quiet(): dcp.load(sd, storage_reader=Reader(str(path)), planner=Planner(), no_dist=dist_or_none() is None)
     except BaseException: checked(); raise  # a damaged file explains a failed load best
     checked()
-    set_state(model, optimizer, sd, back)
+    set_state(model, optimizer, in_rows(), back)
     r, ws = rank_world()
     same = ws == meta['world_size']
     mine = load_pt(path / rank_file(r if r < meta['world_size'] else 0))

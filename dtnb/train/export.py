@@ -13,6 +13,7 @@ from torch import nn
 from .checkpoint import CheckpointError, quiet, state_dicts, read_marker
 from ..core.dist import dist_or_none, rank_world, all_gather_objects, agree
 from .checkpoint_load import resolve, verify_checkpoint, check_metadata, safe_dcp, mismatch
+from ..parallel.heads import original_rows
 
 # %% auto #0
 __all__ = ['export_model', 'export_checkpoint', 'load_exported']
@@ -30,11 +31,13 @@ def _gather_stages(full:dict) -> dict:
     return merged
 
 def _full_state(model) -> dict:
-    "The whole model's state dict, unsharded, on rank 0's CPU ({} elsewhere). A collective"
+    "The whole model's state dict, unsharded, on rank 0's CPU ({} elsewhere), fused layers split by heads in the "\
+    "model's own row order (`original_rows`). A collective"
     keys = all_gather_objects(sorted(state_dicts(model)[0]['model']))
-    if all(k == keys[0] for k in keys): return state_dicts(model, full_state_dict=True, cpu_offload=True)[0]['model']
+    if all(k == keys[0] for k in keys):
+        return original_rows(model, state_dicts(model, full_state_dict=True, cpu_offload=True)[0]['model'])
     full = state_dicts(model, full_state_dict=True)[0]['model']  # stages: each rank its own keys, in full
-    return _gather_stages({k: v.detach().cpu() for k, v in full.items()})
+    return _gather_stages({k: v.detach().cpu() for k, v in original_rows(model, full).items()})
 
 # %% ../../nbs/05d_train.export.ipynb #c615d18f
 def _need_safetensors():
