@@ -83,10 +83,16 @@ def _agent(cmd, env) -> int:
 def _report(args):
     from dtnb.reporting.sections import report
     rep = report(out=args.out, quick=args.quick, model=args.model, input_shape=args.input_shape, batch=args.batch,
-                 dataset=args.dataset, sections=args.sections)
+                 dataset=args.dataset, sections=args.sections, loss_fn=args.loss_fn, step_fn=args.step_fn,
+                 keys=args.keys)
     print(rep)
     _log.info(f"wrote {args.out}/report.md, report.html, results.json and plots")
     return 0 if rep.ok else 1
+
+def _add_loss_args(p):  # how a batch becomes a loss, as `fit` takes it: `reporting.sections.load_loss` loads them
+    p.add_argument('--loss-fn', '--loss', metavar='NAME|MODULE:FN', help="mse, cross_entropy, causal_lm or MODULE:FN")
+    p.add_argument('--step-fn', metavar='MODULE:FN', help="FN(model, batch) returns the loss, instead of --loss-fn")
+    p.add_argument('--keys', metavar='INPUT,TARGET', help="the input's and the target's keys in a dict batch")
 
 # %% ../nbs/10_cli.ipynb #20ef5ca0
 def _shape_of(args):
@@ -298,7 +304,7 @@ def _add_doctor(sub):
 
 # %% ../nbs/10_cli.ipynb #f8578a25
 def _check(args):
-    from dtnb.reporting.sections import load_spec
+    from dtnb.reporting.sections import load_spec, load_loss  # the three, loaded as report(...) loads them
     if args.collectives:
         from dtnb.debug.collectives import trace_collectives
         r = trace_collectives(load_spec(args.collectives, '--collectives'), nprocs=args.nprocs, timeout=args.timeout)
@@ -306,7 +312,8 @@ def _check(args):
         from dtnb.debug.equivalence import check_equivalence
         if not args.model: raise ValueError("dtnb check needs --model module:factory (or --collectives module:fn)")
         r = check_equivalence(load_spec(args.model), _check_data(args), args.strategies, args.nprocs, args.steps,
-                              _check_loss(args.loss), args.precision, lr=args.lr, tol=args.tol)
+                              precision=args.precision, lr=args.lr, tol=args.tol,
+                              **vars(load_loss(args.loss_fn, args.step_fn, args.keys)))
     print(json.dumps(r.to_dict(), indent=2, default=str) if args.json else r)
     return 0 if r.equal else 1
 
@@ -319,14 +326,6 @@ def _check_data(args):
     from torch.utils.data import DataLoader
     return DataLoader(load_spec(args.dataset, '--dataset')(), batch_size=args.batch_size)
 
-def _check_loss(name):
-    import torch.nn.functional as F
-    from dtnb.reporting.sections import load_spec
-    if name is None: return None  # the model's own .loss, else mse (forward_loss)
-    from dtnb.parallel.pipeline import causal_lm_loss
-    named = {'mse': F.mse_loss, 'cross_entropy': F.cross_entropy, 'causal_lm': causal_lm_loss}
-    return named.get(name) or load_spec(name, '--loss')
-
 def _add_check(sub):
     c = sub.add_parser('check', help="before the GPU job: does training on N CPU ranks match one process; do the "
                                      "ranks issue the same collectives")
@@ -336,7 +335,7 @@ def _add_check(sub):
     c.add_argument('--batch-size', type=int, default=8, help="with --dataset: the global batch")
     c.add_argument('--strategies', nargs='+', default=['ddp'], help="ddp, zero1, zero2, zero3, fsdp, pipeline")
     c.add_argument('--steps', type=int, default=3); c.add_argument('--nprocs', type=int, default=2)
-    c.add_argument('--loss', help="mse, cross_entropy, causal_lm or MODULE:FN (default: the model's .loss, else mse)")
+    _add_loss_args(c)
     c.add_argument('--precision', choices=['fp32', 'bf16-mixed', 'fp16-mixed'])
     c.add_argument('--lr', type=float, default=0.05, help="SGD's learning rate")
     c.add_argument('--tol', type=float, help="relative tolerance (default 1e-5; 1e-2 with autocast)")
@@ -425,6 +424,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument('--dataset', metavar='MODULE:FN', help="FN() returns your Dataset of (input, target) samples")
     r.add_argument('--sections', nargs='+', default=None, metavar='NAME', choices=REPORT_SECTIONS,
                    help="only these sections")
+    _add_loss_args(r)
     r.set_defaults(func=_report)
     for q in sub.choices.values(): _add_verbosity(q, argparse.SUPPRESS)  # `dtnb -q report` or `dtnb report -q`
     _list_choices(p)

@@ -123,3 +123,5 @@ class ClassicGPT(nn.Module):
 
 TOKENS = torch.randint(32, (8, 9), generator=G)
 def tokens(): return TOKENS[:, :-1].contiguous(), TOKENS[:, 1:].contiguous()
+def gpt_step(model, batch): return model(*batch)[1]  # `--step-fn`: forward(idx, targets) -> (logits, loss): the loss
+def gpt_output(model, batch): return model(*batch)   # the whole (logits, loss): not a loss

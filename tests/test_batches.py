@@ -171,7 +171,9 @@ def test_a_batch_loss_passes_where_only_loss_fn_is_taken():
     from dtnb.plan.recommend import recommend
     p = recommend(gpt(), md.tokens(), world_size=1, memory=1e9, loss_fn=BatchLoss(step_fn=GPT_STEP))
     assert p.estimates[p.chosen].activations == estimate_memory(gpt(), batch=md.tokens(), step_fn=GPT_STEP).activations
-    assert BatchLoss.of(BatchLoss(step_fn=GPT_STEP), keys=KEYS) == BatchLoss(None, GPT_STEP, KEYS)
+    assert BatchLoss.of(BatchLoss(F.cross_entropy), keys=KEYS) == BatchLoss(F.cross_entropy, None, KEYS)
+    with pytest.raises(ValueError, match="pass step_fn, or loss_fn/keys, not both"):
+        BatchLoss.of(BatchLoss(step_fn=GPT_STEP), keys=KEYS)  # a step_fn says the whole step, as in `fit`
 
 
 # ---- an (x, y) pair without loss_fn: one meaning ------------------------------------------------------------------
@@ -223,3 +225,155 @@ def test_a_model_with_its_own_loss_gets_labels_from_a_pair():
     assert step_flops(OwnLoss(), PAIR) == step_flops(OwnLoss(), PAIR, F.cross_entropy)
     mine = forward_loss(OwnLoss(), PAIR, loss_fn=lambda p, y: F.cross_entropy(p, y) * 0)[0]  # a loss_fn reads .logits
     assert mine.item() == 0
+
+
+# ---- the entry points that price or scale a step: trace_step, op_compute, predict, bench_scaling, recommend ----------
+
+class Logits(nn.Module):
+    "The same nanoGPT model returning its logits alone: its loss said by a loss_fn instead of a step_fn"
+    def __init__(self, m): super().__init__(); self.m = m
+    def forward(self, idx): return self.m(idx)[0]
+
+def token_ce(logits, y): return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))  # as the model's own
+
+TWICE = lambda m, b: 2 * m(*b)[1]
+NOT_A_LOSS = "step_fn(model, batch) must return the loss, one number (or (loss, predictions, targets)); it returned a"
+
+
+def test_trace_step_and_op_compute_with_step_fn():
+    "The traced step through the step_fn is the step of the same model returning logits with the equivalent loss_fn"
+    from dtnb.bench.ops import trace_step, op_compute
+    batch = md.tokens()
+    for device in ('meta', 'cpu'):
+        mine = trace_step(gpt(), batch, step_fn=GPT_STEP, optimizer='sgd', device=device)
+        same = trace_step(Logits(gpt()), batch, token_ce, optimizer='sgd', device=device)
+        assert mine.flops == same.flops > 0 and [o.name for o in mine.ops] == [o.name for o in same.ops]
+        twice = trace_step(gpt(), batch, step_fn=TWICE, optimizer='sgd', device=device)
+        assert len(twice.ops) > len(mine.ops)  # its doubling: a mul forward, one backward
+    h200 = op_compute(gpt(), batch, 'H200', step_fn=GPT_STEP)
+    assert h200.total == op_compute(Logits(gpt()), batch, 'H200', loss_fn=token_ce).total > 0
+
+
+def test_predict_with_step_fn():
+    "predict's plan, FLOPs and op-level compute go through the step_fn: the figures of the equivalent loss_fn"
+    from dtnb.bench.forecast import predict, flops_per_sample
+    batch, kw = md.tokens(), dict(samples=1e6, targets=['H200x1', 'H100x1'], optimizer='sgd')
+    mine, same = predict(gpt(), batch, step_fn=GPT_STEP, **kw), predict(Logits(gpt()), batch, loss_fn=token_ce, **kw)
+    for a, b in zip(mine.rows, same.rows):
+        assert a['fits'] and (a['plan'], a['memory'], a['compute_s'], a['step_s']) == (b['plan'], b['memory'],
+                                                                                         b['compute_s'], b['step_s'])
+    assert mine.rows[0]['compute_model'] and mine.rows[0]['memory'] == same.rows[0]['memory'] > 0
+    assert flops_per_sample(gpt(), batch, step_fn=GPT_STEP)[:2] == (step_flops(gpt(), batch, step_fn=GPT_STEP) / B, B)
+    with pytest.raises(ValueError, match=r"step_fn=lambda model, batch: model\(\*batch\)\[1\]"):
+        predict(gpt(), batch, **kw)  # without it: what to pass
+
+
+def test_recommend_takes_step_fn_and_keys():
+    from dtnb.plan.recommend import recommend
+    p = recommend(gpt(), md.tokens(), world_size=1, memory=1e9, step_fn=GPT_STEP)
+    assert p.estimates[p.chosen].activations == estimate_memory(gpt(), batch=md.tokens(), step_fn=GPT_STEP).activations
+    d = recommend(classifier(), DICT, world_size=1, memory=1e9, loss_fn=F.cross_entropy, keys=KEYS)
+    assert d.estimates[d.chosen].activations == recommend(classifier(), PAIR, world_size=1, memory=1e9,
+                                                          loss_fn=F.cross_entropy).estimates[0].activations
+
+
+def test_scaling_with_step_fn():
+    "A rank's step (in this process) and bench_scaling's launched rank train through the step_fn, which they need"
+    from dtnb.bench.throughput import scaling_rank, bench_scaling
+    from dtnb.launcher.failures import LaunchError
+    r = scaling_rank(gpt, md.tokens(), steps=1, warmup=0, step_fn=GPT_STEP)
+    assert r['samples'] == B and r['step_s'] > 0
+    with pytest.raises(ValueError, match=r"step_fn=lambda model, batch"): scaling_rank(gpt, md.tokens(), steps=1)
+    with pytest.raises(ValueError, match=NOT_A_LOSS.replace('(', r'\(').replace(')', r'\)')):
+        scaling_rank(gpt, md.tokens(), steps=1, step_fn=md.gpt_output)
+    s = bench_scaling(gpt, md.tokens(), nprocs=(1,), steps=2, warmup=0, step_fn=GPT_STEP, progress=False, timeout=120)
+    assert s.rows[0]['samples_s'] > 0
+    with pytest.raises(LaunchError, match="must return the loss, one number"):  # raised in the rank, said here
+        bench_scaling(gpt, md.tokens(), nprocs=(1,), steps=1, warmup=0, step_fn=md.gpt_output, progress=False,
+                      timeout=120)
+
+
+def test_bad_step_fn_one_message_everywhere():
+    "step_fn beside loss_fn, or a step_fn that returns no single loss: the same error from core.batches, everywhere"
+    from dtnb.core.batches import STEP_FN_ALONE
+    from dtnb.bench.ops import trace_step, op_compute
+    from dtnb.bench.forecast import predict, flops_per_sample
+    from dtnb.bench.throughput import bench_scaling
+    from dtnb.plan.recommend import recommend
+    from dtnb.train.lr_finder import find_lr
+    from dtnb.train.batches import evaluate
+    batch = md.tokens()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*batch), batch_size=4)
+    calls = {
+        'trace_step': lambda **kw: trace_step(gpt(), batch, **kw),
+        'op_compute': lambda **kw: op_compute(gpt(), batch, 'H200', **kw),
+        'predict': lambda **kw: predict(gpt(), batch, samples=1e6, targets=['H200x1'], **kw),
+        'flops_per_sample': lambda **kw: flops_per_sample(gpt(), batch, **kw),
+        'recommend': lambda **kw: recommend(gpt(), batch, world_size=1, memory=1e9, **kw),
+        'estimate_memory': lambda **kw: estimate_memory(gpt(), batch=batch, **kw),
+        'measure_memory': lambda **kw: measure_memory(gpt(), batch, **kw),
+        'bench_model': lambda **kw: bench_model(gpt(), batch, steps=1, warmup=0, matmul_peak=1.0, device='cpu', **kw),
+        'step_flops': lambda **kw: step_flops(gpt(), batch, **kw),
+        'find_batch_size': lambda **kw: find_batch_size(gpt(), batch, memory='8MB', **kw),
+        'evaluate': lambda **kw: evaluate(gpt(), loader, **kw),
+        'fit': lambda **kw: fit((m := gpt()), loader, torch.optim.SGD(m.parameters(), lr=0.1), max_steps=1,
+                                progress=False, **kw),
+        'find_lr': lambda **kw: find_lr((m := gpt()), loader, torch.optim.SGD(m.parameters(), lr=0.1), num_steps=2,
+                                          **kw),
+        'check_equivalence': lambda **kw: check_equivalence(gpt, batch, steps=1, **kw)}
+    for name, call in calls.items():
+        with pytest.raises(ValueError) as e: call(step_fn=GPT_STEP, loss_fn=token_ce)
+        assert str(e.value) == STEP_FN_ALONE, name
+        if name in ('check_equivalence', 'fit'): continue  # they train on ranks / the same forward_loss: below
+        with pytest.raises(ValueError) as e: call(step_fn=md.gpt_output)
+        assert str(e.value).startswith(NOT_A_LOSS) and 'a tuple of 2 (tensor[' in str(e.value), name
+    with pytest.raises(ValueError, match=STEP_FN_ALONE):
+        bench_scaling(gpt, batch, nprocs=(1,), step_fn=GPT_STEP, keys=KEYS)
+    with pytest.raises(ValueError, match=STEP_FN_ALONE): BatchLoss(step_fn=GPT_STEP, keys=KEYS)
+    with pytest.raises(ValueError) as e: calls['fit'](step_fn=lambda m, b: m(*b)[0])  # the logits, not a loss
+    assert str(e.value) == NOT_A_LOSS + " tensor[4, 8, 32] float32"
+
+
+# ---- the CLI: --loss-fn, --step-fn, --keys, loaded as --model is -----------------------------------------------------
+
+GPT_ARGS = ['--model', 'models_debug:ClassicGPT', '--batch', 'models_debug:tokens']
+
+
+def test_cli_check_with_step_fn():
+    "`dtnb check` trains the nanoGPT model through --step-fn; without it, or with a bad one, it says what is wrong"
+    from dtnb.cli import main
+    from dtnb.core.batches import STEP_FN_ALONE
+    assert main(['check', *GPT_ARGS, '--step-fn', 'models_debug:gpt_step', '--steps', '2']) == 0
+    with pytest.raises(ValueError, match=r"step_fn=lambda model, batch"): main(['check', *GPT_ARGS, '--steps', '1'])
+    with pytest.raises(ValueError, match=NOT_A_LOSS.replace('(', r'\(').replace(')', r'\)')):
+        main(['check', *GPT_ARGS, '--step-fn', 'models_debug:gpt_output', '--steps', '1'])
+    with pytest.raises(ValueError) as e:
+        main(['check', *GPT_ARGS, '--step-fn', 'models_debug:gpt_step', '--loss-fn', 'cross_entropy'])
+    assert str(e.value) == STEP_FN_ALONE
+    with pytest.raises(ValueError, match="--step-fn 'gpt_step': use the form module:factory"):
+        main(['check', *GPT_ARGS, '--step-fn', 'gpt_step'])
+
+
+def test_load_loss_reads_the_cli_forms():
+    from dtnb.reporting.sections import load_loss
+    assert load_loss('cross_entropy', keys='image,label') == BatchLoss(F.cross_entropy, None, KEYS)
+    assert load_loss(step_fn='models_debug:gpt_step') == BatchLoss(step_fn=md.gpt_step)
+    assert load_loss('models_debug:gpt_step').loss_fn is md.gpt_step and load_loss() == BatchLoss()
+
+
+def test_cli_report_with_step_fn(tmp_path):
+    "`dtnb report`, as a command: plans and trains the nanoGPT model through --step-fn"
+    import json, subprocess, sys
+    from pathlib import Path
+    from conftest import cpu_env
+    tests = Path(__file__).parent
+    args = ['report', '--quick', '--out', tmp_path, *GPT_ARGS, '--step-fn', 'models_debug:gpt_step',
+            '--sections', 'plan', 'training']
+    r = subprocess.run([sys.executable, '-m', 'dtnb', *map(str, args)], cwd=tests.parent, capture_output=True,
+                       text=True, timeout=600, env=cpu_env(None, tests))
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / 'results.json').read_text())
+    plan, training = res['sections'].values()
+    assert plan['error'] is None and training['error'] is None, (plan['error'], training['error'])
+    assert 'your step_fn' in training['data']['description'] and training['data']['runs']['single']['losses']
+    assert training['data']['agree'] is True and plan['data']['plan']['strategy']

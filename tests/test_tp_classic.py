@@ -157,7 +157,7 @@ def test_falcon_multi_query_attention_is_refused_before_any_step():
 
 def _parallel(name, degrees):
     "The model split by `degrees`, its AdamW, and this rank's share of each batch of TOKENS"
-    from dtnb.parallel.tensor import Degrees, parallelize, data_rank
+    from dtnb.parallel.parallelize import Degrees, parallelize, data_rank
     d = Degrees(**degrees)
     mesh = d.build_mesh()
     model = parallelize(MODELS[name](), d, mesh=mesh)

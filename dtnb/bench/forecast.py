@@ -7,6 +7,7 @@ Docs: https://dtnb-dev.github.io/dtnb/bench.forecast.html.md"""
 # %% ../../nbs/07d_bench.forecast.ipynb #2e25dce3
 from __future__ import annotations
 import math, re
+from functools import partial
 from dataclasses import dataclass
 from ..core.specs import DeviceSpec, device_spec
 from ..core.utils import PRECISIONS, precision_for, md_table, text_table, fmt_bytes
@@ -16,6 +17,7 @@ from .collectives import busbw_factor
 from ..parallel.pipeline_schedules import bubble_fraction
 from .ops import op_compute
 from .throughput import step_flops, default_loss, PRICE_EXAMPLES
+from ..core.batches import BatchLoss, batch_inputs, output_loss
 
 # %% auto #0
 __all__ = ['EFFICIENCY', 'EFFICIENCY_SOURCE', 'PRICES', 'step_collectives', 'bus_bytes', 'flops_per_sample', 'Target',
@@ -46,7 +48,8 @@ def bus_bytes(collectives:list, n:int) -> float:
 # %% ../../nbs/07d_bench.forecast.ipynb #404b3042
 def flops_per_sample(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
                      batch=None, # with a model: one device's batch, counted by `step_flops`
-                     activation_checkpointing:bool=False, loss_fn=None) -> tuple[float, int, str]:
+                     activation_checkpointing:bool=False, loss_fn=None,
+                     step_fn=None, keys=None) -> tuple[float, int, str]: # a batch's loss, as in `fit` (`BatchLoss`)
     "(training FLOPs of one sample, samples in one device's micro-batch, how they were counted)"
     if isinstance(model, TransformerShape):
         how = "Megatron-LM's formula (Narayanan et al. 2021, eq. 3)"
@@ -54,8 +57,9 @@ def flops_per_sample(model, # an `nn.Module`, a parameter count, or a `Transform
     rc = 4 / 3 if activation_checkpointing else 1
     if hasattr(model, 'parameters'):
         if batch is None: raise ValueError("A model needs batch= (one device's example batch) to count its FLOPs")
-        x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return step_flops(model, batch, loss_fn) / len(x) * rc, len(x), "torch.utils.flop_counter on the model"
+        step = BatchLoss.of(loss_fn, step_fn, keys)
+        x = batch_inputs(model, batch, step)  # the samples: the first tensor the model is fed
+        return step_flops(model, batch, step) / len(x) * rc, len(x), "torch.utils.flop_counter on the model"
     if isinstance(model, bool) or not isinstance(model, (int, float)) or model <= 0:
         raise ValueError(f"model={model!r} must be an nn.Module, a TransformerShape or a positive parameter count")
     if not isinstance(batch, int) or batch < 1:
@@ -165,9 +169,10 @@ def _choose(plan, strategy):
 
 def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, loss_fn, strategy, ops=True):
     "The prediction for target `t`: the plan, the step's parts, the run's hours and cost"
+    plain = loss_fn == BatchLoss() and isinstance(batch, (tuple, list))  # the benchmarks' default_loss then
     plan = recommend(model, batch if hasattr(model, 'parameters') else None, world_size=t.count,
                      memory=t.spec.memory, optimizer=optimizer, precision=_trains_with(t.dtype), shape=shape,
-                     loss_fn=loss_fn or (default_loss if isinstance(batch, (tuple, list)) else None))
+                     loss_fn=BatchLoss(partial(output_loss, default=default_loss)) if plain else loss_fn)
     row = dict(target=t.label, devices=t.count, device=t.spec.name, dtype=t.dtype, busbw=t.busbw,
                usd_hour=_usd_hour(prices, t), efficiency=eff, plan=plan.label, reason=plan.reason)
     chosen = _choose(plan, strategy)
@@ -309,9 +314,10 @@ def predict(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
             strategy:str|None=None, # an option of `recommend`'s table ('zero3', 'pipeline'...) instead of its choice
             loss_fn=None,
             layouts:bool=False, # plan `parallelize` layouts (tp × pp × dp_shard × dp_replicate): a TransformerShape
+            step_fn=None, keys=None, # how a model's batch becomes a loss, as in `fit` (`BatchLoss`)
            ) -> Prediction:
     "Strategy, step time (compute, communication, bubble), wall time and cost of a training run on each target"
-    shape = model if isinstance(model, TransformerShape) else None
+    shape, loss_fn = model if isinstance(model, TransformerShape) else None, BatchLoss.of(loss_fn, step_fn, keys)
     if (samples is None) == (tokens is None): raise ValueError("Give the run's size as samples= or as tokens=")
     if tokens is not None and hasattr(model, 'parameters'):
         raise ValueError("With a model, give samples= (the run's samples); tokens= needs a TransformerShape")

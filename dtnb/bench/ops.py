@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 from ..core.specs import DeviceSpec, device_spec, peak_tflops
-from ..core.utils import md_table, text_table
+from ..core.utils import md_table, text_table, to_device
+from ..core.batches import BatchLoss, forward_loss
 from .compute import time_fn
 from .throughput import default_loss
 from ..core.models import GPT
@@ -158,23 +159,20 @@ class StepTrace:
     def __str__(self): return text_table(self._cols, self._rows())
     def _repr_markdown_(self): return md_table(self._cols, self._rows())
 
-def _to(x, device): return x.to(device) if isinstance(x, torch.Tensor) else x
-
-def trace_step(model, batch, # an `nn.Module`; a tensor or an (inputs, targets) pair
-               loss_fn=None, # loss_fn(output, targets); default `default_loss` (the mean output without targets)
+def trace_step(model, batch, # an `nn.Module`; (inputs, targets), a tensor of inputs or a dict (`core.batches`)
+               loss_fn=None, # loss_fn(output, targets); default: the model's .loss, else `default_loss`
                optimizer=None, # None (forward and backward only), 'sgd', 'adam', 'adamw', a class or an optimizer
                amp:str|None=None, # 'bf16' or 'fp16' autocast
                device='meta', # where the trace runs: 'meta' needs no memory and no time
                policy:str='cuda', # whose autocast policy to emulate on meta: 'cuda' or 'cpu'
+               step_fn=None, keys=None, # how a batch becomes a loss, as in `fit` (`BatchLoss`)
               ) -> StepTrace:
     "Every aten op of one training step of `model` on `batch`: forward and loss, backward, the optimizer's step"
-    device = torch.device(device)
-    model = copy.deepcopy(model).to(device)
-    x, y = batch if isinstance(batch, (tuple, list)) else (batch, None)
-    x, y, loss_fn = _to(x, device), _to(y, device), loss_fn or default_loss
+    device, how = torch.device(device), BatchLoss.of(loss_fn, step_fn, keys)
+    model, batch = copy.deepcopy(model).to(device), to_device(batch, device)
     opt, rec = _optimizer(optimizer, model), _Recorder()
     def step():
-        with _amp(device, amp, policy): loss = loss_fn(model(x), y)
+        with _amp(device, amp, policy): loss = forward_loss(model, batch, how, default=default_loss)[0]
         rec.phase = 'backward'; loss.backward()
         if opt is not None: rec.phase = 'optimizer'; opt.step(); opt.zero_grad(set_to_none=True)
         rec.phase = 'forward'
@@ -355,10 +353,11 @@ def per_op_cost(repeats:int=15) -> float:
 # %% ../../nbs/07c_bench.ops.ipynb #fcafe256
 def op_compute(model, batch, device, # a model and one device's batch; a device name or `DeviceSpec`
                dtype:str='bf16', # the format it trains in: 'bf16'/'fp16' (autocast), 'tf32' or 'fp32'
-               optimizer='adamw', loss_fn=None) -> OpTimes|None:
+               optimizer='adamw', loss_fn=None,
+               step_fn=None, keys=None) -> OpTimes|None: # how a batch becomes a loss, as in `fit` (`BatchLoss`)
     "The op model's step of `model` on `batch` for `device`, from its measured curves; None where it has none"
     c = CURVES.get(device_spec(device).name)
     if c is None or not hasattr(model, 'parameters'): return None
-    t = trace_step(model, batch, loss_fn, optimizer, dtype if dtype in AMP else None)
+    t = trace_step(model, batch, loss_fn, optimizer, dtype if dtype in AMP else None, step_fn=step_fn, keys=keys)
     t.tf32 = dtype == 'tf32'
     return op_seconds(t, c)

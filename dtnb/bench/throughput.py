@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from ..detection.device import detect
 from ..core.utils import DTYPES, dtype_name, autocast, progress_bar, tensors, to_device
-from ..core.batches import BatchLoss, forward_loss, split_batch
+from ..core.batches import BatchLoss, forward_loss, batch_inputs
 from .compute import (BenchResult, time_fn, summarize_times, resolve_device, device_info, throughput_unit,
                         bench_matmul, bench_memory)
 from .collectives import bench_collectives, overlap_share
@@ -21,12 +21,6 @@ __all__ = ['PRICE_EXAMPLES', 'BENCHMARKS', 'default_loss', 'step_flops', 'mfu', 
            'predict_sync_seconds', 'scaling_rank', 'bench_scaling', 'cost_per_experiment', 'bench_all']
 
 # %% ../../nbs/07b_bench.throughput.ipynb #169c2970
-def _inputs(model, batch, how:BatchLoss):
-    "The first tensor `model` is fed from `batch` (as `core.batches` splits it; with a `step_fn`, the batch's first)"
-    if how.step_fn is not None: return tensors(batch)[0]
-    (args, kwargs), _ = split_batch(model, batch, how.keys, how.loss_fn)
-    return tensors((args, kwargs))[0]
-
 def default_loss(out, y):
     "Cross-entropy for integer targets, mean squared error for float ones, the mean output when there are none"
     if y is None: return out.float().mean()
@@ -123,7 +117,7 @@ def bench_model(model, batch,                  # (inputs, targets), a tensor of 
     report = detect(); device = resolve_device(device); info = device_info(report, device)
     if amp not in (None, 'bf16', 'fp16'): raise ValueError(f"amp must be None, 'bf16' or 'fp16', got {amp!r}")
     how, batch, model = BatchLoss.of(loss_fn, step_fn, keys), to_device(batch, device), model.to(device)
-    x = _inputs(model, batch, how)
+    x = batch_inputs(model, batch, how)
     opt = optimizer or torch.optim.SGD(model.parameters(), lr=1e-4)
     name = _compute_dtype(model, amp, device)
     flops = step_flops(model, batch, how, amp)
@@ -157,7 +151,8 @@ def predict_sync_seconds(strategy:str, nbytes:float, n:int, busbw_gbs:float,
     return dp_exposed(total, calls, strategy == 'fsdp', compute, overlap, last=last)
 
 # %% ../../nbs/07b_bench.throughput.ipynb #92f4cc39
-def scaling_rank(model_fn, batch, strategy:str='ddp', steps:int=10, warmup:int=3, loss_fn=None, amp=None) -> dict:
+def scaling_rank(model_fn, batch, strategy:str='ddp', steps:int=10, warmup:int=3, loss_fn=None, amp=None,
+                 step_fn=None, keys=None) -> dict: # how a batch becomes a loss, as in `fit` (`BatchLoss`)
     "Run inside every rank: median step time of `model_fn()` wrapped for `strategy`, and for DDP without grad sync"
     from dtnb.core.dist import current_device, world_size
     device, n = current_device(), world_size()
@@ -167,8 +162,8 @@ def scaling_rank(model_fn, batch, strategy:str='ddp', steps:int=10, warmup:int=3
     if n > 1:
         from dtnb.parallel.wrap import wrap
         model = wrap(model, strategy)
-    how, batch = BatchLoss.of(loss_fn), to_device(batch, device)
-    opt, x = torch.optim.SGD(model.parameters(), lr=1e-4), _inputs(model, batch, how)
+    how, batch = BatchLoss.of(loss_fn, step_fn, keys), to_device(batch, device)
+    opt, x = torch.optim.SGD(model.parameters(), lr=1e-4), batch_inputs(model, batch, how)
     step = lambda i: _batch_step(model, opt, how, batch, amp, device)
     synced, local, link = statistics.median(time_fn(step, device, steps, warmup)), None, {}
     if n > 1 and strategy == 'ddp':
@@ -221,21 +216,22 @@ def _scaling_summary(strategy, last):
             'predicted sync ms': last['predicted_ms'], 'measured sync overhead ms': last['overhead_ms']}
 
 def bench_scaling(model_fn,    # builds a fresh model in each rank (a function importable or defined before launch)
-                  batch,       # one rank's batch: a tensor or an (inputs, targets) pair
+                  batch,       # one rank's batch: (inputs, targets), a tensor of inputs or a dict (`core.batches`)
                   nprocs=(1, 2), strategy:str='ddp', steps:int=10, warmup:int=3, loss_fn=None,
                   amp:str|None=None,           # autocast dtype: 'bf16' or 'fp16'
                   busbw:float|dict|None=None,  # all-reduce GB/s ({nprocs: GB/s} or one number); None measures it
-                  timeout:float|None=600, progress:bool=True) -> BenchResult:
+                  timeout:float|None=600, progress:bool=True,
+                  step_fn=None, keys=None) -> BenchResult: # how a batch becomes a loss, as in `fit` (`BatchLoss`)
     "Throughput at each number of ranks, scaling efficiency, and sync time predicted from busbw beside the measured"
     from dtnb.launcher.processes import launch
     predict_sync_seconds(strategy, 0, 1, 1.0)   # checks the strategy
-    nprocs = sorted(set(nprocs))
+    how, nprocs = BatchLoss.of(loss_fn, step_fn, keys), sorted(set(nprocs))  # the three checked before any launch
     if nprocs[0] < 1: raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     report, rows, base = detect(), [], None
     cpu = report.recommended['device'] == 'cpu'   # CPU ranks get equal threads, so a rank adds compute as a GPU would
     threads = max(1, report.host['usable_cores'] // nprocs[-1]) if cpu else None
     for n in progress_bar(nprocs, progress, desc='scaling'):
-        res = launch(scaling_rank, model_fn, batch, strategy, steps, warmup, loss_fn, amp, nprocs=n, timeout=timeout,
+        res = launch(scaling_rank, model_fn, batch, strategy, steps, warmup, how, amp, nprocs=n, timeout=timeout,
                      threads=threads)
         bw, size = _busbw_at(busbw, res[0]['grad_bytes'], n, timeout) if n > 1 else (None, None)
         rows.append(_scaling_row(n, res, base, strategy, bw, size)); base = base or rows[0]

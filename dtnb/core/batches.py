@@ -14,8 +14,8 @@ from torch import nn
 from .utils import tensors
 
 # %% auto #0
-__all__ = ['output_logits', 'takes_labels', 'describe_batch', 'split_batch', 'output_loss', 'stand_in_loss', 'BatchLoss',
-           'forward_loss']
+__all__ = ['STEP_FN_ALONE', 'output_logits', 'takes_labels', 'describe_batch', 'split_batch', 'output_loss', 'stand_in_loss',
+           'BatchLoss', 'forward_loss', 'step_result', 'batch_inputs']
 
 # %% ../../nbs/00e_core.batches.ipynb #74410054
 def output_logits(out):
@@ -104,16 +104,20 @@ def stand_in_loss(pred, y):
     return t if t.dim() == 0 else t.float().sum()
 
 # %% ../../nbs/00e_core.batches.ipynb #dd784a45
+STEP_FN_ALONE = "step_fn computes the loss itself: pass step_fn, or loss_fn/keys, not both"
+
 @dataclass(frozen=True)
 class BatchLoss:
     "How a batch becomes a loss, said once: `loss_fn(predictions, targets)` or `step_fn(model, batch)`, and `keys`"
     loss_fn: object = None  # loss_fn(predictions, targets); default: the model's .loss, else mse_loss where it fits
-    step_fn: object = None  # step_fn(model, batch) -> the loss, or (loss, predictions, targets); then loss_fn is unused
+    step_fn: object = None  # step_fn(model, batch) -> the loss, or (loss, predictions, targets); alone
     keys: tuple|None = None # (input key, target key) of a dict batch
 
     def __post_init__(self):
         if self.keys is not None and (isinstance(self.keys, str) or len(self.keys) != 2):
             raise ValueError(f"keys={self.keys!r} must be two keys of a dict batch: (input key, target key)")
+        if self.step_fn is not None and (self.loss_fn is not None or self.keys is not None):
+            raise ValueError(STEP_FN_ALONE)
 
     @classmethod
     def of(cls, loss_fn=None, step_fn=None, keys=None) -> BatchLoss:
@@ -129,9 +133,23 @@ def forward_loss(model, batch, loss_fn=None, step_fn=None, keys=None, default=No
     """(loss, predictions, targets) of one batch; predictions and targets are None where only a loss is known.
     `default(predictions, targets)`: the loss without `loss_fn` and without the model's own (None: `fit`'s)."""
     how = BatchLoss.of(loss_fn, step_fn, keys)
-    if how.step_fn is not None:
-        r = how.step_fn(model, batch)
-        return tuple(r) if isinstance(r, (tuple, list)) else (r, None, None)
+    if how.step_fn is not None: return step_result(how.step_fn(model, batch))
     (args, kwargs), y = split_batch(model, batch, how.keys, how.loss_fn)
     out = model(*args, **kwargs)
     return output_loss(out, y, how.loss_fn, batch, default), output_logits(out), y
+
+def step_result(r) -> tuple:
+    "(loss, predictions, targets) of what a `step_fn` returned: a loss of one element, or those three"
+    loss = r[0] if isinstance(r, (tuple, list)) and len(r) == 3 else r
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = describe_batch(r) if isinstance(r, (tuple, list, torch.Tensor)) else type(r).__name__
+        raise ValueError(f"step_fn(model, batch) must return the loss, one number (or (loss, predictions, "
+                         f"targets)); it returned a {got}")
+    return tuple(r) if loss is not r else (r, None, None)
+
+def batch_inputs(model, batch, how:BatchLoss|None=None):
+    "The first tensor `model` is fed from `batch`, as `split_batch` splits it (with a `step_fn`: the batch's first)"
+    how = BatchLoss.of(how)
+    if how.step_fn is not None: return tensors(batch)[0]
+    (args, kwargs), _ = split_batch(model, batch, how.keys, how.loss_fn)
+    return tensors((args, kwargs))[0]

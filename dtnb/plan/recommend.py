@@ -13,6 +13,7 @@ from .activations import trace_activations
 from ..parallel.pipeline_split import pipeline_units
 from .memory import OPTIMIZERS, ALIASES, SHARDS, TransformerShape, MemoryEstimate, estimate_memory
 from .memory import tp_linears
+from ..core.batches import BatchLoss
 from ..parallel.parallelize import Degrees
 from ..parallel.tensor import tp_pairs
 from ..parallel.pipeline_schedules import schedule_order, simulate_schedule
@@ -157,8 +158,10 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
               units=None, # module classes that are the model's units
               layouts:bool=False, # search `parallelize` layouts (tp × pp × dp_shard × dp_replicate) instead
               node=None,           # with `layouts`: a `Node` (devices per node, their speed, links; default `Node()`)
+              step_fn=None, keys=None, # how the traced batch becomes a loss, as in `fit` (`BatchLoss`)
              ) -> MemoryPlan:
     "The first strategy, in order of cost, whose estimate fits the device memory, and the table that led there"
+    loss_fn = BatchLoss.of(loss_fn, step_fn, keys)  # the three as one, to the trace and the layouts' estimates
     if not 0 <= margin < 1: raise ValueError(f"margin={margin} must be a fraction of device memory in [0, 1), e.g. 0.1")
     if report is None and (world_size is None or memory is None):
         from dtnb.detection.device import detect
@@ -381,8 +384,10 @@ def memory_explorer(model=7.5e9, # an `nn.Module`, a parameter count, or a `Tran
                     shape:TransformerShape|None=None, # transformer shapes: adds a micro-batch slider
                     batch=None, # example batch to trace (with a model)
                     loss_fn=None, world_size:int=8, strategy:str='ddp', optimizer:str='adamw',
-                    precision:str=DEFAULT_PRECISION):
+                    precision:str=DEFAULT_PRECISION,
+                    step_fn=None, keys=None): # how the traced batch becomes a loss, as in `fit` (`BatchLoss`)
     "An ipywidgets explorer of `estimate_memory`: change world size, dtype, batch or strategy and the table follows"
+    loss_fn = BatchLoss.of(loss_fn, step_fn, keys)
     try: import ipywidgets as W
     except ImportError: raise ImportError("memory_explorer needs ipywidgets: pip install 'dtnb[notebook]' (or "
                                           "ipywidgets); estimate_memory gives the same table without it") from None

@@ -16,7 +16,7 @@ from ..core.logs import get_logger
 from ..core.batches import BatchLoss, forward_loss
 
 # %% auto #0
-__all__ = ['STRATEGY_RUNS', 'SECTIONS', 'load_spec', 'token_cross_entropy', 'Task', 'env_section', 'plan_section',
+__all__ = ['STRATEGY_RUNS', 'SECTIONS', 'load_spec', 'load_loss', 'token_cross_entropy', 'Task', 'env_section', 'plan_section',
            'training_section', 'loader_section', 'bench_section', 'predict_section', 'report']
 
 # %% ../../nbs/08a_reporting.sections.ipynb #0a3137dd
@@ -27,6 +27,16 @@ def load_spec(spec, what:str='--model'):
     if not name: raise ValueError(f"{what} {spec!r}: use the form module:factory, e.g. mypkg.models:build")
     if os.getcwd() not in sys.path: sys.path.insert(0, os.getcwd())
     return pkgutil.resolve_name(f"{mod}:{name}")
+
+def load_loss(loss_fn=None, step_fn=None, keys=None) -> BatchLoss:
+    "`BatchLoss` of functions or 'module:fn' specs (`load_spec`), a loss's name, keys as 'input,target' (the CLI's)"
+    import torch.nn.functional as F
+    from dtnb.parallel.pipeline import causal_lm_loss
+    named = {'mse': F.mse_loss, 'cross_entropy': F.cross_entropy, 'causal_lm': causal_lm_loss}
+    loss = named.get(loss_fn) if isinstance(loss_fn, str) else None
+    loss = loss or (loss_fn and load_spec(loss_fn, '--loss-fn'))
+    keys = tuple(keys.split(',')) if isinstance(keys, str) else keys
+    return BatchLoss(loss, step_fn and load_spec(step_fn, '--step-fn'), keys)
 
 def token_cross_entropy(out, y):
     "Cross-entropy of (B, T, V) logits against (B, T) integer targets"
@@ -338,13 +348,13 @@ def report(out:str|Path|None=None,  # folder for report.md, report.html, results
            dataset=None,              # 'module:factory' returning your Dataset (loader section; training too)
            sections:list|None=None,   # names from SECTIONS (default: all)
            progress:bool=True,
-           loss_fn=None, step_fn=None, keys=None, # how your batch becomes a loss, as `fit` takes it (`BatchLoss`)
+           loss_fn=None, step_fn=None, keys=None, # how your batch becomes a loss, as `fit` takes it (`load_loss`)
           ) -> Report:
     "Run the report's sections on this machine and your model; write files when `out` is given"
     names = sections or list(SECTIONS)
     if unknown := [n for n in names if n not in SECTIONS]:
         raise ValueError(f"Unknown report sections {unknown}: choose from {list(SECTIONS)}")
-    task = Task(model, tuple(input_shape) if input_shape else None, batch, dataset, BatchLoss(loss_fn, step_fn, keys))
+    task = Task(model, tuple(input_shape) if input_shape else None, batch, dataset, load_loss(loss_fn, step_fn, keys))
     if not task.has_data and {'training', 'loader'} & set(names):
         raise ValueError("--model needs data to train: --input-shape 3,32,32, --batch module:make_batch or "
                          "--dataset module:factory (or --sections env plan bench)")

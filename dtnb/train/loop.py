@@ -15,6 +15,7 @@ from ..core.utils import md_table, text_table, to_device, StepProgress, DEFAULT_
 from .batches import cast_batch, forward_loss, count_samples, check_loader, check_fp16, as_metrics, evaluate
 from .batches import pipeline_args, check_pipeline_validation, fit_precision, micro_step, optimizer_step
 from .batches import ShardNorm
+from ..core.batches import BatchLoss
 from ..core.models import find_blocks
 from ..parallel.fsdp import check_optimizer
 from .resume_state import resumable, batches_served
@@ -208,8 +209,7 @@ def _check_args(accumulate, log_every, checkpoints, validation, scheduler, sched
     if scheduler is not None and scheduler_interval == 'epoch' and not hasattr(loader, '__len__'):
         raise ValueError("scheduler_interval='epoch' needs a loader with a length, so that an epoch has an end: give "
                          "the loader a __len__, or step the schedule per 'step'")
-    if step_fn is not None and (loss_fn is not None or keys is not None):
-        raise ValueError("step_fn computes the loss itself: pass step_fn, or loss_fn/keys, not both")
+    BatchLoss(loss_fn, step_fn, keys)  # refuses a step_fn beside loss_fn or keys, as every entry point does
 
 def _check_setup(model, optimizer, loader, validation, kind, precision, device, step_fn):
     "What `fit` checks of its model, loaders and optimizer before any work"
