@@ -219,8 +219,10 @@ def validate_rank(shape:TransformerShape, names:list, one:dict, steps:int=8, sec
     link = measure_link(shape)
     for name in names:
         d = layout_degrees(name, n, shape)
-        whole = sample_compute(shape, Degrees(), steps, sync=True)['step']  # the whole model in every rank, now
-        flops = transformer_flops(shape) * shape.batch / whole  # the layout model's speed of this machine
+        rate = lambda b: transformer_flops(shape) * b / sample_compute(replace(shape, batch=b), Degrees(), steps,
+                                                                       sync=True)['step']  # every rank at once
+        flops, micro = rate(shape.batch), rank_sequences(shape, d) // (2 * d.pp)  # the machine's speed, now
+        rates = [[micro, rate(micro)], [shape.batch, flops]] if d.pp > 1 and micro < shape.batch else []
         c = sample_compute(shape, d, steps, sync=True)  # every rank at once, in step: the machine shared
         dist.barrier()
         probe = param_probe(shape, name, busy, **one[name]['compute'], steps=2 * steps) if d.dp > 1 else 0.0
@@ -228,7 +230,7 @@ def validate_rank(shape:TransformerShape, names:list, one:dict, steps:int=8, sec
                  for op, k, b, cnt in activation_collectives(shape, name, d, **one[name]['compute'])]
         dist.barrier()
         out[name] = dict(compute=c, probe=probe, collectives=colls, measured=measure_layout(shape, name, steps),
-                         link=link | dict(flops=flops))
+                         link=link | dict(flops=flops, rates=rates))
     return out
 
 def _one_process(shape, names, n, steps):
@@ -297,7 +299,7 @@ def here_node(flops:float, link:dict|None=None) -> Node:
     return Node(devices=1, flops=flops, intra=l['busbw'], inter=l['busbw'], latency=l['latency'],
                 call=max(0.0, l['call'] - l['latency']), overlap=l['overlap'], streams=False,
                 dispatch=l.get('dispatch', 0.0), reduce_scatter=l.get('reduce_scatter', 1.0),
-                all_gather=l.get('all_gather', 1.0), burst=l.get('burst', 0.0))
+                all_gather=l.get('all_gather', 1.0), burst=l.get('burst', 0.0), rates=l.get('rates', []))
 
 def layout_model(shape:TransformerShape, name:str, d:Degrees, node:Node) -> dict:
     "The layout model's step of layout `name` (`step_parts`): ZeRO-2 is FSDP that keeps the gathered parameters"
@@ -384,7 +386,9 @@ def _row(shape, name, n, d, one, ranks):
     slow = per_rank.index(max(per_rank))
     pred, meas = sum(p.values()), per_rank[slow]
     links = [r['link'] for r in ranks if 'link' in r]  # every rank measured the same link: their mean
-    link = {k: statistics.mean(l[k] for l in links) for k in links[0]} | one.get('_link', {}) if links else None
+    link = {k: statistics.mean(l[k] for l in links) if k != 'rates' else  # pp's: (sequences, mean FLOP/s)
+            [[x[0], statistics.mean(l[k][i][1] for l in links)] for i, x in enumerate(links[0][k])]
+            for k in links[0]} | one.get('_link', {}) if links else None
     alone = transformer_flops(shape) * shape.batch / one[name]['rank']['step'] if not links else None  # 'single'
     node = here_node(link['flops'] if link else alone, link)
     mp = layout_model(shape, name, d, node)

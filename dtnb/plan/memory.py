@@ -413,8 +413,7 @@ def _layout_states(model, d, rank, example, units, shape):
         sizes, elems = layout_sizes(model, d, rank, example, units)
         return sizes, *elems, sizes.largest_unit
     c = layout_coords(d, rank)
-    n = shape.stage_params(d.pp, c['pp'], d.tp) if shape else -(-int(model) // (d.pp * d.tp))
-    n = -(-n // d.shard_size)  # FSDP shards over sp's ranks too
+    n = -(-(shape.stage_params(d.pp, c['pp'], d.tp) if shape else -(-int(model) // (d.pp * d.tp))) // d.shard_size)
     return None, n, n, n, (-(-int(model) // (shape.layers * d.tp)) if shape else None)
 
 def _estimate_layout(model, degrees, strategy, world_size, optimizer, precision, batch, loss_fn, shape, ac, offload,

@@ -6,7 +6,8 @@ Docs: https://dtnb-dev.github.io/dtnb/plan.recommend.html.md"""
 
 # %% ../../nbs/04b_plan.recommend.ipynb #7c8dc904
 from __future__ import annotations
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, field, replace
 from ..core.utils import PRECISIONS, DEFAULT_PRECISION, fmt_bytes, md_table, text_table
 from ..core.models import find_blocks
 from .activations import trace_activations
@@ -19,9 +20,9 @@ from ..parallel.tensor import tp_pairs
 from ..parallel.pipeline_schedules import schedule_order, simulate_schedule
 
 # %% auto #0
-__all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'transformer_flops', 'Node', 'on_link', 'step_parts',
-           'dp_exposed', 'last_bucket', 'step_collectives', 'ddp_buckets', 'step_time', 'colwise_per_layer',
-           'memory_explorer']
+__all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'transformer_flops', 'Node', 'micro_rate', 'on_link',
+           'step_parts', 'dp_exposed', 'last_bucket', 'step_collectives', 'ddp_buckets', 'step_time',
+           'colwise_per_layer', 'memory_explorer']
 
 # %% ../../nbs/04b_plan.recommend.ipynb #57e94ad1
 def _ladder(ws, activation_checkpointing=True):
@@ -248,6 +249,17 @@ class Node:
     all_gather:float=1.0         # an all-gather's time over half an all-reduce's
     burst:float=0.0              # bytes a link passes at once after a pause, refilled at its rate (a token bucket,
                                  # as tc tbf shapes a link; a wire: 0)
+    rates:list=field(default_factory=list)  # [(sequences a micro-batch, FLOP/s)] measured: pp's smaller micro-batches
+                                 # run slower (interpolated; none: `flops` at any size)
+
+def micro_rate(node:Node, sequences:float) -> float:
+    "FLOP/s of a device at micro-batches of `sequences`: `Node.rates` interpolated (log scale), else `Node.flops`"
+    pts = sorted(node.rates)
+    if not pts: return node.flops
+    if sequences <= pts[0][0]: return pts[0][1]
+    for (x0, r0), (x1, r1) in zip(pts, pts[1:]):
+        if sequences <= x1: return r0 + (r1 - r0) * math.log(sequences / x0) / math.log(x1 / x0)
+    return pts[-1][1]
 
 def on_link(nbytes:float, calls:int, rate:float, burst:float=0.0, gap:float=0.0) -> float:
     "Seconds `calls` transfers of `nbytes` in all take at `rate` bytes/s, `gap` seconds apart, on a link of `burst`"
@@ -272,7 +284,8 @@ def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISIO
     p, n, m = PRECISIONS[precision], d.world_size, 2 * d.pp
     s, h = shape.seq_len, shape.hidden
     tok = shape.batch * n / d.dp / d.sp * s  # tokens of each rank's tp group: its sequences, a 1/sp slice of each
-    compute = transformer_flops(shape, activation_checkpointing) * shape.batch / node.flops
+    rate = micro_rate(node, tok / m / s) if d.pp_enabled else node.flops  # pp: 2 x pp micro-batches a step
+    compute = transformer_flops(shape, activation_checkpointing) * shape.batch / rate
     bubble = (d.pp - 1) / m * compute
     bus = lambda k, b: 2 * (k - 1) / k * b  # bytes an all-reduce of `b` moves over each rank's link (a ring)
     link = lambda ranks: node.intra if ranks <= node.devices else node.inter  # a group of consecutive ranks
@@ -306,9 +319,9 @@ def dp_exposed(seconds:float, calls:int, sharded:bool, compute:float, overlap:fl
     "What the step waits for of `seconds` of collectives (`calls`; dp's, or pp's sends) run behind `compute`"
     if not calls: return seconds
     # DDP's buckets start as the backward fills them; FSDP gathers the next unit's parameters during the forward too
-    behind = compute * (1 if sharded else 3 / 4 if activation_checkpointing else 2 / 3) * overlap
+    behind = compute * (1 if sharded else 3 / 4 if activation_checkpointing else 2 / 3)
     tail = seconds * (last if last is not None else min(1.0, (2 if sharded else 1) / calls))  # FSDP: first, last
-    return max(tail, seconds - behind)
+    return seconds - min((seconds - tail) * overlap, behind)  # CPU ranks: what runs behind still takes the cores
 
 def last_bucket(grad_bytes:float) -> float:
     "The share of `grad_bytes` in DDP's last bucket (the first layers' gradients, which the backward computes last)"
