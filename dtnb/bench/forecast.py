@@ -13,6 +13,7 @@ from ..core.specs import DeviceSpec, device_spec
 from ..core.utils import PRECISIONS, precision_for, md_table, text_table, fmt_bytes
 from ..plan.memory import TransformerShape
 from ..plan.recommend import recommend, Node, step_parts, dp_exposed, ddp_buckets, last_bucket, transformer_flops
+from ..plan.recommend import pipeline_sends
 from .collectives import busbw_factor
 from ..parallel.pipeline_schedules import bubble_fraction
 from .ops import op_compute
@@ -150,7 +151,8 @@ def _step(t, e, fps, mb, shape, eff, microbatches):
         compute = m * flops / p / peak
         f = bubble_fraction(p, m)
         act = m * shape.seq_len * shape.batch * shape.hidden * ab if shape else 0  # on and back at once (both ways)
-        sends = dp_exposed(act / (t.busbw * 1e9), 2 * m, True, compute)  # behind the other micro-batches' compute
+        sends = pipeline_sends(p, m, compute, act / m, Node(inter=t.busbw * 1e9),  # in 1F1B's order, on the link
+                               e.activation_checkpointing)
         return compute, sends, compute * f / (1 - f), off, m * mb
     comm = bus_bytes(step_collectives(e.strategy, e.params, n, gb, pb), n) / (t.busbw * 1e9)
     calls = 3 * (shape.layers + 1) if shape and e.strategy == 'zero3' else ddp_buckets(e.params * gb)

@@ -21,7 +21,7 @@ from ..parallel.pipeline_schedules import schedule_order, simulate_schedule
 
 # %% auto #0
 __all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'transformer_flops', 'Node', 'micro_rate', 'on_link',
-           'step_parts', 'dp_exposed', 'last_bucket', 'step_collectives', 'ddp_buckets', 'step_time',
+           'pipeline_sends', 'step_parts', 'dp_exposed', 'last_bucket', 'step_collectives', 'ddp_buckets', 'step_time',
            'colwise_per_layer', 'memory_explorer']
 
 # %% ../../nbs/04b_plan.recommend.ipynb #57e94ad1
@@ -267,11 +267,12 @@ def on_link(nbytes:float, calls:int, rate:float, burst:float=0.0, gap:float=0.0)
     credit = min(burst, rate * gap) if burst and gap > 0 else 0.0  # what the bucket holds again when each starts
     return max(1, calls) * max(0.0, nbytes / max(1, calls) - credit) / rate
 
-def _pipeline_sends(d:Degrees, compute:float, nbytes:float, node:Node, activation_checkpointing:bool) -> float:
-    "Seconds 1F1B's sends of `nbytes` a micro-batch add to the step: `simulate_schedule` with the link as it is"
-    m = 2 * d.pp
+def pipeline_sends(pp:int, microbatches:int, compute:float, nbytes:float, node:Node,
+                   activation_checkpointing:bool=False) -> float:
+    "Seconds 1F1B's sends of `nbytes` a micro-batch add to a step of `compute`: `simulate_schedule` on `node`'s link"
+    m = microbatches
     f = compute / m * (1 / 4 if activation_checkpointing else 1 / 3)  # a stage's forward of one micro-batch
-    slots, order = dict(F=f, B=compute / m - f), schedule_order('1f1b', d.pp, m)
+    slots, order = dict(F=f, B=compute / m - f), schedule_order('1f1b', pp, m)
     send = node.latency + nbytes / node.inter
     with_sends = simulate_schedule(order, slots=slots, send=send, burst=node.burst / node.inter).span
     return max(0.0, with_sends - simulate_schedule(order, slots=slots).span)
@@ -307,7 +308,7 @@ def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISIO
                     node.overlap if node.streams or not d.dp_shard_enabled else 0.0, activation_checkpointing,
                     last_bucket(g) if ddp else None)
     per = node.latency + node.call  # tp's and sp's collectives come from DTensor and Ulysses, in Python too
-    pp = _pipeline_sends(d, compute, tok / m * h * p.activations, node, activation_checkpointing) \
+    pp = pipeline_sends(d.pp, m, compute, tok / m * h * p.activations, node, activation_checkpointing) \
         if d.pp_enabled else 0.0  # activations on, gradients back, behind the other micro-batches' compute
     return dict(compute=compute, bubble=bubble, tp=tp + n['tp'] * (per + node.dispatch), sp=sp + n['sp'] * per,
                 dp=dp, pp=pp)
