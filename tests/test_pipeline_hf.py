@@ -1,6 +1,7 @@
 """Pipeline parallel for models whose forward is not a chain: Hugging Face GPT-2 (untied and tied) and Llama, tiny and
-randomly initialised, traced by torch's pipelining front end on 2 gloo ranks, equal to one process; each rank's
-model states as `estimate_memory(model, 'pipeline', 2, rank=r, example=...)` counts them, byte for byte.
+randomly initialised, traced by torch's pipelining front end on 2 gloo ranks (on example=, or without it at the first
+step), equal to one process; each rank's model states as `estimate_memory(model, 'pipeline', 2, rank=r, example=...)`
+counts them, byte for byte.
 The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
 import pytest
 import torch
@@ -55,10 +56,11 @@ def mistakes(pipe, x):
                 mask=err(lambda: pipe.step(dict(input_ids=x, labels=x, attention_mask=(x > 3).long()))),
                 keys=err(lambda: pipe.step(dict(ids=x, labels=x))),
                 loss=err(lambda: apply_pipeline(gpt2(), None, example=x[:2])),
-                tied=err(lambda: apply_pipeline(gpt2(tied=True), causal_lm_loss)),  # no example: no tracing
-                untied=err(lambda: apply_pipeline(gpt2(), causal_lm_loss, schedule='1f1b')),  # refused before a step
+                zbv=err(lambda: apply_pipeline(gpt2(), causal_lm_loss, schedule='zbv')),  # no example: refused now
+                order=err(lambda: apply_pipeline(gpt2(), causal_lm_loss, schedule='interleaved1f1b').order()),
                 ac=err(lambda: parallelize(gpt2(), Degrees(pp=2), causal_lm_loss, example=x[:2],
-                                           activation_checkpointing=True)))
+                                           activation_checkpointing=True)),
+                ac_lazy=err(lambda: parallelize(gpt2(), Degrees(pp=2), causal_lm_loss, activation_checkpointing=True)))
 
 def train(pipe, ids, dict_batch):
     opt, losses = torch.optim.AdamW(pipe.parameters(), lr=LR), []
@@ -124,14 +126,57 @@ def test_hf_pipeline_equals_one_process(name):
         assert ("holds 'input_ids' (the first stage's input) and 'labels' (the targets of loss_fn); "
                 "got ['ids', 'labels']") in errs['keys']
         assert "loss_fn=None: a pipeline computes the loss on its last stage" in errs['loss']
-        assert ("parameters shared between stages: transformer.wte.weight (stage 0) is lm_head.weight (stage 1). Pass "
-                "example=<one microbatch>" in errs['tied'])
-        assert "no split into 2 stages keeps units transformer.wte .. lm_head in one stage" in errs['tied']
-        assert ("GPT2LMHeadModel is a Hugging Face model: its forward does more than apply its units in order" in
-                errs['untied'] and "Pass example=<one microbatch of the training shape>" in errs['untied'])
-        assert ("GPT2LMHeadModel is not a chain of units: torch's tracer cut it, and traced stages run as traced, "
-                "with pipeline and data parallelism (FSDP or DDP over each whole stage) alone: drop "
-                "activation_checkpointing and tp") in errs['ac']
+        assert ("GPT2LMHeadModel is not a chain of units, so torch's tracer cuts it, and traced stages cannot run the "
+                "V-shaped schedule 'zbvzerobubble'") in errs['zbv']
+        assert ("the order of 'interleaved1f1b' is the table of torch's schedule over the traced stages, and these are "
+                "traced at the first step (no example= was given): call order() after a step") in errs['order']
+        for ac in ('ac', 'ac_lazy'):
+            assert ("GPT2LMHeadModel is not a chain of units: torch's tracer cut it, and traced stages run as traced, "
+                    "with pipeline and data parallelism (FSDP or DDP over each whole stage) alone: drop "
+                    "activation_checkpointing and tp") in errs[ac]
+
+
+def ranked_lazy(name, how):
+    """No example=: `apply_pipeline` (schedule `how`) or `parallelize` builds stage copies, the optimizer takes their
+    parameters, the first step traces the model on its first microbatch"""
+    ids, x = tokens(), tokens()[:BATCH]
+    model = MODELS[name]()
+    pipe = (parallelize(model, Degrees(pp=2), causal_lm_loss) if how == 'parallelize' else
+            apply_pipeline(model, causal_lm_loss, schedule=how))
+    pending, before = (pipe.pending, str(pipe.split)), dict(pipe.named_parameters())
+    losses, got, split, text, _ = train(pipe, ids, dict_batch=how == '1f1b')
+    after = dict(pipe.named_parameters())
+    try: pipe.step(x[:4], x[:4]); shape = None
+    except ValueError as e: shape = str(e)
+    return dict(pending=pending, traced=(pipe.pending, split, text), losses=losses, params=got, shape=shape,
+                names=(sorted(before), sorted(after)), same=all(p is before[n] for n, p in after.items()))
+
+@pytest.mark.parametrize('name,how', [('gpt2-tied', '1f1b'), ('gpt2', 'gpipe'), ('llama', 'parallelize')])
+def test_hf_pipeline_without_example_equals_one_process(name, how):
+    """Without example=, the stages are traced at the first step: an optimizer built from pipe.parameters() before it
+    trains them (the very parameters), and the losses and all parameters after 3 AdamW steps match one process"""
+    losses, want = one_process(name)
+    feature = 'integer tensors between pipeline stages'  # GPT-2's stages pass on its position ids
+    if name.startswith('gpt2') and torch_version() < TORCH_NEEDS[feature][0]:
+        with pytest.raises(LaunchError, match=f"{feature} needs torch >= 2.13"):
+            launch(ranked_lazy, name, how, nprocs=2)
+        return
+    res = launch(ranked_lazy, name, how, nprocs=2)
+    got = {}
+    for r in res:
+        assert r['pending'][0] and 'traced by torch.distributed.pipelining at the first step' in r['pending'][1]
+        assert not r['traced'][0] and r['traced'][1]['traced'] and r['names'][0] == r['names'][1] and r['same']
+        assert max(abs(a - b) for a, b in zip(r['losses'], losses)) < 1e-4, (r['losses'], losses)
+        assert ("the stages were traced on microbatches of shape [(2, 16)], but this batch in 4 microbatches makes "
+                "[(1, 16)]") in r['shape']
+        got.update(r['params'])
+    assert len(res[0]['traced'][1]['stages']) == 2
+    assert sorted(got) == sorted([*want, *(['lm_head.weight'] if name == 'gpt2-tied' else [])])
+    for k, v in got.items():
+        d = (v - want[TIED.get(k, k) if name == 'gpt2-tied' else k]).abs().max().item()
+        assert d < 1e-4, f"{k}: max difference {d:.3g}"
+    if name == 'gpt2-tied':
+        assert 'tied, copied per stage: transformer.wte.weight (stage 0) = lm_head.weight' in res[0]['traced'][2]
 
 
 def full(t): return t.full_tensor() if hasattr(t, 'full_tensor') else t
@@ -145,6 +190,8 @@ def ranked_dp(layouts):
         deg = Degrees(pp=2, **{dp: 2})
         mesh = deg.build_mesh()
         r, n = data_rank(mesh)
+        try: parallelize(MODELS[name](), deg, causal_lm_loss, mesh=mesh, n_microbatches=2)  # no example=
+        except ValueError as e: out[name, dp, 'refused'] = str(e)
         pipe = parallelize(MODELS[name](), deg, causal_lm_loss, mesh=mesh, n_microbatches=2,
                            example=ids[:BATCH // (2 * n)])
         opt, losses = torch.optim.AdamW(pipe.parameters(), lr=LR), []
@@ -164,6 +211,10 @@ def test_hf_pipeline_times_data_parallel_equals_one_process(layouts):
     steps equal one process on the whole batch"""
     res = launch(ranked_dp, layouts, nprocs=4, timeout=240)
     for name, dp in layouts:
+        for r in res:  # without example=, data parallelism would wrap the copies that the first step's trace replaces
+            assert (f"is not a chain of units, and without example= torch's tracer cuts it at the first step, but data "
+                    f"parallelism ({dp}=2") in r.get((name, dp, 'refused'), ''), r.get((name, dp, 'refused'))
+            assert "pass example=<one microbatch of the training shape>" in r[name, dp, 'refused']
         losses, want = one_process(name, steps=2)
         got = {}
         for r in res:

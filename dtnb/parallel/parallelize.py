@@ -171,6 +171,12 @@ def parallelize(model:nn.Module,
             raise ValueError(f"{type(model).__name__} is not a chain of units: torch's tracer cut it, and traced "
                              "stages run as traced, with pipeline and data parallelism (FSDP or DDP over each "
                              "whole stage) alone: drop activation_checkpointing and tp, or make the model a chain")
+        if split.pending and degrees.dp_enabled:  # FSDP and DDP would wrap copies that the trace replaces
+            dp = ', '.join(f"{k}={v}" for k in ('dp_replicate', 'dp_shard') if (v := getattr(degrees, k)) > 1)
+            raise ValueError(f"{type(model).__name__} is not a chain of units, and without example= torch's tracer "
+                             f"cuts it at the first step, but data parallelism ({dp}) wraps each stage now, before "
+                             "the optimizer takes pipe.parameters(): pass example=<one microbatch of the training "
+                             "shape> (e.g. example=input_ids[:2]) to trace it here, or train with pp alone")
     else: mods = [model]
     out = []
     for m in mods:                                                  # each pipeline stage (or the whole model):

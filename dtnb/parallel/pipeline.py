@@ -13,6 +13,7 @@ from torch import nn
 from ..core.utils import synchronize, cache, needs_torch, TORCH_NEEDS
 from ..core.dist import require_group, broadcast_from_rank0, current_device
 from .pipeline_split import PipelineSplit, split_model, stage_module, chain_problem, trace_stages
+from .pipeline_split import defer_trace, adopt_tensors
 from ..core.batches import output_logits
 from .pipeline_schedules import SCHEDULES, schedule_name, schedule_order, stage_ranks, PipelineTimeline
 
@@ -146,16 +147,35 @@ class Pipeline:
         self.n_microbatches, self.last_rank = m, ranks[-1]
         self.device = torch.device(device) if device is not None else current_device()
         _check_loss_fn(loss_fn)
-        self.loss_fn, self.trace = loss_fn, split.trace if split is not None else None
-        self.stages = [_make_stage(mod, s, n_stages, self.device, self.group, self.trace)
+        self.loss_fn, self.trace = loss_fn, split.trace if split is not None and not split.pending else None
+        if self.schedule_name in TORCH_NEEDS: needs_torch(self.schedule_name, "or choose another schedule")
+        self._cls = getattr(schedules, SCHEDULES[self.schedule_name][0], None)
+        if self._cls is None:
+            raise ValueError(f"schedule {self.schedule_name!r} needs a newer torch than {torch.__version__}")
+        self.stages, self.schedule, self._tied = [], None, []
+        if not self.pending: self._build()
+
+    @property
+    def pending(self) -> bool:
+        "Whether the stages wait for the first step to be traced, on its first microbatch (no example= was given)"
+        return self.split is not None and self.split.pending
+    def _build(self):
+        "torch's stages of this rank's modules, and the schedule that runs them"
+        self.stages = [_make_stage(mod, s, self.n_stages, self.device, self.group, self.trace)
                        for mod, s in zip(self.modules, self.stage_indices)]
         self._tied = self._tied_copies()
-        if self.schedule_name in TORCH_NEEDS: needs_torch(self.schedule_name, "or choose another schedule")
-        cls = getattr(schedules, SCHEDULES[self.schedule_name][0], None)
-        if cls is None:
-            raise ValueError(f"schedule {self.schedule_name!r} needs a newer torch than {torch.__version__}")
         one = SCHEDULES[self.schedule_name][1] == 'one'
-        self.schedule = cls(self.stages[0] if one else self.stages, n_microbatches=m, loss_fn=self._loss)
+        self.schedule = self._cls(self.stages[0] if one else self.stages, n_microbatches=self.n_microbatches,
+                                  loss_fn=self._loss)
+    def _trace_first(self, example):
+        "Trace the model on the first microbatch `example`; its stages keep the parameters the optimizer was given"
+        model = self.split.trace.model
+        at = next(model.parameters()).device
+        split = trace_stages(model, self.split, tuple(x.to(at) for x in example))  # on every rank, alike
+        mods = [split.trace.pipe.get_stage_module(s) for s in self.stage_indices]
+        for m, held, s in zip(mods, self.modules, self.stage_indices): adopt_tensors(m, held, s); m.train(held.training)
+        self.modules, self.split, self.trace = [m.to(self.device) for m in mods], split, split.trace
+        self._build()
 
     def _loss(self, output, target):
         "`loss_fn` on what the model returns (its logits, for a Hugging Face-style output)"
@@ -193,8 +213,8 @@ class Pipeline:
     @property
     def has_last(self) -> bool: return self.n_stages - 1 in self.stage_indices
 
-    def _run(self, inputs, targets, train):
-        import torch.distributed as dist
+    def _batch(self, inputs, targets) -> tuple:
+        "(inputs as a tuple, targets) of a batch that splits into the microbatches (the first traces a pending model)"
         inputs, targets = step_batch(inputs, targets)
         xs, m = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), self.n_microbatches
         b = xs[0].shape[0]
@@ -204,10 +224,17 @@ class Pipeline:
                              f"{b} ({', '.join(map(str, _divisors(b)))})")
         if targets.shape[0] != b:
             raise ValueError(f"inputs hold {b} samples but targets {targets.shape[0]}: pass the same batch")
+        if self.pending: self._trace_first([x[:b // m] for x in xs])
         if self.trace is not None and (got := [(b // m, *x.shape[1:]) for x in xs]) != self.trace.shapes:
             raise ValueError(f"the stages were traced on microbatches of shape {self.trace.shapes}, but this batch in "
                              f"{m} microbatches makes {got}: pass batches of {m} × {self.trace.shapes[0][0]} samples "
-                             "of that shape, or trace with example=<one microbatch of the training shape>")
+                             "of that shape (without example=, the first step's), or trace with example=<one "
+                             "microbatch of the training shape>")
+        return xs, targets
+
+    def _run(self, inputs, targets, train):
+        import torch.distributed as dist
+        xs, targets = self._batch(inputs, targets)
         losses = []
         args = tuple(x.to(self.device) for x in xs) if self.has_first else ()
         kw = dict(target=targets.to(self.device), losses=losses) if self.has_last else {}
@@ -246,6 +273,7 @@ class Pipeline:
     def profile_step(self, inputs, targets) -> PipelineTimeline:
         "Run `step` once (a real step: gradients accumulate) and return when every rank ran each microbatch"
         import torch.distributed as dist
+        if self.pending: self._batch(inputs, targets)  # traced before the clock starts
         for st in self.stages: st.events = []
         dist.barrier(group=self.group)
         t0 = time.perf_counter()
@@ -262,6 +290,10 @@ class Pipeline:
         "The order each rank runs its actions in: {pipeline rank: [(stage, kind, microbatch), ...]}"
         if SCHEDULES[self.schedule_name][1] == 'one':  # torch runs these from code, not from a table: write them out
             return schedule_order(self.schedule_name, self.n_ranks, self.n_microbatches)
+        if self.pending:
+            raise ValueError(f"the order of {self.schedule_name!r} is the table of torch's schedule over the traced "
+                             "stages, and these are traced at the first step (no example= was given): call order() "
+                             "after a step, or pass example=")
         return _plain_order(self.schedule.pipeline_order)  # the table torch's runtime executes
 
     def parameters(self):
@@ -311,11 +343,6 @@ class Pipeline:
 # %% ../../nbs/03d_parallel.pipeline.ipynb #75271a25
 def _hugging_face(model) -> bool: return getattr(getattr(model, 'config', None), 'model_type', None) is not None
 
-_HF_NEEDS_EXAMPLE = lambda model: (
-    f"{type(model).__name__} is a Hugging Face model: its forward does more than apply its units in order (position "
-    "ids, masks, a ModelOutput for a result), which only torch's tracer can cut. Pass example=<one microbatch of the "
-    "training shape> (e.g. example=input_ids[:2]) and apply_pipeline traces it (or trace=False to cut it as a chain)")
-
 def pipeline_stages(model:nn.Module, n_stages=None, split_points=None, schedule:str='1f1b', balance:str='params',
                     example=None, group=None, trace:bool|None=None) -> tuple:
     "Cut `model` for the pipeline ranks of `group`: returns (split, this rank's stage indices, their modules)"
@@ -331,15 +358,17 @@ def pipeline_stages(model:nn.Module, n_stages=None, split_points=None, schedule:
         mine = split_model(model, n_stages, None, 'time', example) if r == 0 else None
         split.costs, split.bounds, split.by = *broadcast_from_rank0(mine and (mine.costs, mine.bounds), group), 'time'
     mine = [s for s, rk in enumerate(stage_ranks(name, split.n_stages, p)) if rk == r]
-    if not trace and not (problem := chain_problem(model, split, example)):
-        if example is None and trace is None and _hugging_face(model): raise ValueError(_HF_NEEDS_EXAMPLE(model))
-        return split, mine, [stage_module(model, split.stage_units(s)) for s in mine]
-    if trace is False or (trace is None and example is None): raise ValueError(problem)
-    if example is None: raise ValueError("trace=True traces the model on one microbatch: pass example=")
+    problem = None if trace else chain_problem(model, split, example)
+    hf = example is None and trace is None and _hugging_face(model)  # not a chain (position ids, masks ...)
+    if not (trace or problem or hf): return split, mine, [stage_module(model, split.stage_units(s)) for s in mine]
+    if trace is False: raise ValueError(problem)
     if SCHEDULES[name][1] == 'two (V)':  # torch 2.13: traced stages on one rank cannot pass activations locally
         raise ValueError(f"{type(model).__name__} is not a chain of units, so torch's tracer cuts it, and traced "
                          f"stages cannot run the V-shaped schedule {name!r} (neighbouring stages on one rank): use "
                          f"one of {', '.join(k for k, v in SCHEDULES.items() if v[1] != 'two (V)')}")
+    if example is None:  # traced at the first step, on its first microbatch; until then (and after) the stages
+        split = defer_trace(model, split)  # train these copies' parameters (`adopt_tensors`)
+        return split, mine, [stage_module(model, split.stage_units(s)) for s in mine]
     split = trace_stages(model, split, example)  # torch's tracer, cut where dtnb's split says
     return split, mine, [split.trace.pipe.get_stage_module(s) for s in mine]
 
@@ -351,6 +380,7 @@ def apply_pipeline(model:nn.Module,
                    schedule:str='1f1b',          # a name in `SCHEDULES`: 'gpipe', '1f1b', 'interleaved1f1b', 'zbv' ...
                    balance:str='params',         # automatic cut: balance 'params' or measured 'time'
                    example=None,                 # one microbatch: orders units by call, checks the cut, traces
+                                                 # (without it, a model that is not a chain is traced at step 1)
                    group=None,                   # process group of the pipeline ranks (default: all ranks)
                    device=None,                  # default: this rank's device
                    trace:bool|None=None,         # torch's tracer: None when the model is not a chain; True; False

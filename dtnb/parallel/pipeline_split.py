@@ -16,7 +16,8 @@ from ..core.batches import output_logits
 
 # %% auto #0
 __all__ = ['pipeline_units', 'Skip', 'stage_module', 'balance_bounds', 'unit_times', 'PipelineSplit', 'split_model',
-           'chain_problem', 'check_split', 'TracedStages', 'trace_stages', 'traced_stage_tensors']
+           'chain_problem', 'check_split', 'TracedStages', 'trace_stages', 'traced_stage_tensors', 'PendingTrace',
+           'defer_trace', 'adopt_tensors']
 
 # %% ../../nbs/03b_parallel.pipeline_split.ipynb #80c754c3
 def _as_tuple(x): return tuple(x) if isinstance(x, (tuple, list)) else (x,)
@@ -146,10 +147,12 @@ class PipelineSplit:
     costs: list    # cost of each unit: parameters ('params', 'points') or seconds ('time')
     bounds: list   # stage s runs units[bounds[s]:bounds[s+1]]
     by: str        # 'params', 'time' or 'points'
-    trace: object = field(default=None, repr=False)  # a TracedStages, when the stages come from torch's tracer
+    trace: object = field(default=None, repr=False)  # a TracedStages (or a PendingTrace) from torch's tracer
 
     @property
     def n_stages(self): return len(self.bounds) - 1
+    @property
+    def pending(self) -> bool: return isinstance(self.trace, PendingTrace)  # traced at the first step
     def stage_units(self, s:int) -> list: return self.units[self.bounds[s]:self.bounds[s + 1]]
     @property
     def stage_costs(self): return [sum(self.costs[a:b]) for a, b in zip(self.bounds, self.bounds[1:])]
@@ -389,3 +392,40 @@ def _trace_stages(model, split, example, atol):
     tied = [(tuple(pipe.get_stage_module(s).get_parameter(n).shape), c) for c in copies for s, n in [min(c.items())]]
     shapes = [tuple(t.shape) for t in _as_tuple(example)]
     return PipelineSplit(split.units, split.costs, split.bounds, split.by, TracedStages(pipe, tied, shapes, spec))
+
+# %% ../../nbs/03b_parallel.pipeline_split.ipynb #1b03ac3f
+@dataclass
+class PendingTrace:
+    "A model that torch's tracer cuts at the first step, on its first microbatch (no example was given before)"
+    model: nn.Module  # the model to trace; each rank trains `stage_module` copies of its stages until then
+    def __getstate__(self): return {'model': None}  # a pickled split keeps the description, not the model
+    def __str__(self): return "traced by torch.distributed.pipelining at the first step, on its first microbatch"
+
+def defer_trace(model:nn.Module, split:PipelineSplit) -> PipelineSplit:
+    "`split`, pending: traced at the first step; a parameter outside every unit (no stage to hold it) stops it now"
+    if _owned_elsewhere(model, split.units): raise ValueError(_param_problem(model, split))
+    return PipelineSplit(split.units, split.costs, split.bounds, split.by, PendingTrace(model))
+
+def _set_tensor(m, name, t):
+    parent, _, leaf = name.rpartition('.')
+    owner = m.get_submodule(parent) if parent else m
+    (owner._parameters if isinstance(t, nn.Parameter) else owner._buffers)[leaf] = t
+
+def adopt_tensors(traced:nn.Module, held:nn.Module, s:int):
+    "Give traced stage `s` the parameters (and same-shaped buffers) of `held`, the module it trained as, name by name"
+    own, groups, used, stray = dict(held.named_parameters(remove_duplicate=False)), {}, set(), []
+    for n, p in traced.named_parameters(remove_duplicate=False): groups.setdefault(id(p), []).append(n)
+    for names in groups.values():  # one tensor under several names (aliases of a tied weight): one parameter
+        new = {id(own[n]): own[n] for n in names if n in own}
+        if len(new) != 1: stray.append(names[0]); continue
+        used.update(new)
+        for n in names: _set_tensor(traced, n, *new.values())
+    if (unused := [n for n, p in held.named_parameters() if id(p) not in used]) or stray:
+        raise ValueError(f"stage {s} as torch's tracer cut it holds parameters that the stage built before the first "
+                         f"step (the optimizer holds its parameters) does not: {', '.join(stray[:4]) or 'none'}; and "
+                         f"lacks: {', '.join(unused[:4]) or 'none'}. The forward calls the units in another order "
+                         "than they were registered: pass example=<one microbatch of the training shape>, which "
+                         "orders the units by call and traces the model before the optimizer takes pipe.parameters()")
+    bufs = dict(held.named_buffers(remove_duplicate=False))
+    for n, b in list(traced.named_buffers(remove_duplicate=False)):  # the held ones: a loaded state, on its device
+        if (h := bufs.get(n)) is not None and h.shape == b.shape and h.dtype == b.dtype: _set_tensor(traced, n, h)
