@@ -287,8 +287,10 @@ def measure_link(shape:TransformerShape, repeats:int=8) -> dict:
     # the rate from the slope between the two sizes; what the larger one took less than that rate says: the burst
     busbw = (bus(big) - bus(small)) / (t2 - t1) if t2 > 1.5 * t1 else bus(big) / max(t2 - latency, 1e-9)
     burst = max(0.0, bus(big) - (t2 - latency) * busbw)
-    rs = _after_pause(lambda: dist.reduce_scatter_tensor(out, big), repeats // 2)
-    ag = _after_pause(lambda: dist.all_gather_into_tensor(big, out), repeats // 2)
+    with warnings.catch_warnings():  # torch 2.13 calls these two deprecated; FSDP2 on gloo runs them all the same
+        warnings.simplefilter('ignore', FutureWarning)
+        rs = _after_pause(lambda: dist.reduce_scatter_tensor(out, big), repeats // 2)
+        ag = _after_pause(lambda: dist.all_gather_into_tensor(big, out), repeats // 2)
     overlap = overlap_share(grads, repeats)['share']
     return dict(latency=latency, call=max(latency, call_cost()), busbw=busbw, burst=burst, overlap=overlap,
                 reduce_scatter=rs / (t2 / 2), all_gather=ag / (t2 / 2))
