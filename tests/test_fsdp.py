@@ -1,5 +1,6 @@
 """FSDP on real gloo ranks: equal to one process under every option, half the bytes per rank, the traps caught.
 The CPU is the subject: ranks are CPU ranks on gloo on any machine (`cpu_ranks`, conftest.py)."""
+import gc
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +9,7 @@ from torch import nn
 from dtnb.launcher.processes import launch
 from dtnb.parallel.ddp import distributed_loader
 from dtnb.parallel.wrap import wrap
-from dtnb.parallel.fsdp import state_bytes, full_state_dict, check_optimizer, plan_fsdp
+from dtnb.parallel.fsdp import state_bytes, full_state_dict, check_optimizer, plan_fsdp, _step_pre_hook
 from dtnb.core.models import ToyModel, Block, toy_data
 
 
@@ -97,21 +98,33 @@ def test_four_ranks_hybrid_2x2():
 
 # The ranks below return the message of the error they catch: when ranks raise, `launch` stops the others as soon as
 # the first one fails, and can then name a rank it stopped instead of the one that raised (a race in dtnb.launch).
+def hooked() -> bool:
+    "Whether dtnb's optimizer step hook is in torch's global hooks (it is only while a replaced parameter lives)"
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+    return any(h is _step_pre_hook for h in _global_optimizer_pre_hooks.values())
+
+
 def optimizer_first(check):
     model = ToyModel()
     o = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model = wrap(model, 'fsdp')
     x, y = toy_data(16)[:]
+    msg = None
     try:
         if check: check_optimizer(model, o)
         F.mse_loss(model(x), y).backward()
         o.step()
-    except RuntimeError as e: return str(e)
+    except RuntimeError as e: msg = str(e)
+    held = hooked()
+    del o  # the last holder of the replaced parameters: the hook goes with them
+    gc.collect()
+    return msg, held, hooked()
 
 
 @pytest.mark.parametrize('check', [False, True])
 def test_optimizer_built_before_sharding_is_refused(check):
-    for msg in launch(optimizer_first, check, nprocs=2):
+    for msg, held, after in launch(optimizer_first, check, nprocs=2):
+        assert (held, after) == (True, False)
         assert msg == ("the optimizer holds 28 parameter(s) that are not the model's (sharded) parameters: "
                        "sharding replaced them, "
                        "so optimizer.step() would train nothing. Build the optimizer after wrap(model, 'fsdp'), "
@@ -119,15 +132,17 @@ def test_optimizer_built_before_sharding_is_refused(check):
 
 
 def optimizer_after():
-    "The hook does not get in the way of the right order, nor of unrelated optimizers in the same process"
+    "In the right order no hook is left to get in the way: not of this optimizer, nor of one dtnb never saw"
+    gc.collect()
     model = wrap(ToyModel(), 'fsdp')
+    assert not hooked()
     o = torch.optim.SGD(model.parameters(), lr=0.1)
     check_optimizer(model, o)
     x, y = toy_data(16)[:]
     F.mse_loss(model(x), y).backward(); o.step(); o.step()
     other = nn.Linear(2, 2)
     torch.optim.SGD(other.parameters(), lr=0.1).step()
-    return True
+    return not hooked()
 
 
 def test_optimizer_built_after_sharding_steps():

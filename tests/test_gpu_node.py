@@ -35,6 +35,7 @@ UNPINNED = {
     '00c_core.models': "model definitions, run where they are built",
     '00d_core.logs': "log records and warnings: no device",
     '00e_core.batches': "a batch's loss on CPU tensors in this process: no ranks, no device choice",
+    '00f_core.state': "attributes on modules in this process: no ranks, no device",
     '05h_train.trackers': "tracker callbacks and an import error: no device (the runs: tests/test_trackers.py)",
     '02_launcher.failures': "error reports: no device",
     '09_debug.divergence': "the causes' rules on tables written by hand: no ranks, no device",

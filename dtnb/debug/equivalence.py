@@ -87,10 +87,11 @@ class ForwardProbe:
     def __init__(self, model:nn.Module):
         self.names = {m: n for n, m in model.named_modules()}
         self.drew, self.changed, self.hooks, self.io = set(), set(), [], {}
-    def _pre(self, m, *_): m._dtnb_probe = torch.get_rng_state(), {n: b.clone() for n, b in m._buffers.items()
+        self.before = {}  # module -> (RNG state, buffers) from its pre-hook to its hook: the probe's, not the module's
+    def _pre(self, m, *_): self.before[m] = torch.get_rng_state(), {n: b.clone() for n, b in m._buffers.items()
                                                                      if b is not None}
     def _post(self, m, args, out):
-        rng, bufs = m.__dict__.pop('_dtnb_probe')
+        rng, bufs = self.before.pop(m)
         self.io.setdefault(self.names[m], (_checksums(args), _checksums(out)))
         if not torch.equal(rng, torch.get_rng_state()): self.drew.add(self.names[m])
         if any(not torch.equal(b, m._buffers[n]) for n, b in bufs.items()): self.changed.add(self.names[m])

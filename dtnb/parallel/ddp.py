@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from ..core.dist import rank as _rank, world_size, current_device, require_group
+from ..core.state import get_state
 
 # %% auto #0
 __all__ = ['SYNC_BATCHNORM_DEVICES', 'DistributedLoader', 'distributed_loader', 'batchnorm_layers', 'prepare_batchnorm',
@@ -137,6 +138,6 @@ def make_optimizer(model:nn.Module, optimizer_class=torch.optim.AdamW, **kwargs)
         raise TypeError(f"optimizer_class={optimizer_class!r} must be a torch.optim.Optimizer class, "
                         "e.g. torch.optim.AdamW")
     params = [p for p in model.parameters() if p.requires_grad]
-    if getattr(model, '_dtnb_strategy', None) != 'zero1': return optimizer_class(params, **kwargs)
+    if get_state(model, 'strategy') != 'zero1': return optimizer_class(params, **kwargs)
     from torch.distributed.optim import ZeroRedundancyOptimizer
     return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)

@@ -14,6 +14,7 @@ from torch import nn
 from ..core.utils import md_table, text_table, accelerator_type, shard_numel, as_dtype
 from ..core.dist import require_group, world_size, current_device, rank
 from ..core.models import find_blocks
+from ..core.state import get_state, set_state
 
 # %% auto #0
 __all__ = ['size_groups', 'shard_units', 'ShardPlan', 'plan_fsdp', 'check_optimizer', 'apply_fsdp', 'apply_zero2', 'state_bytes',
@@ -139,19 +140,19 @@ def _mesh(mesh, device_type):
     return init_device_mesh(device_type, (r, s), mesh_dim_names=('replicate', 'shard'))
 
 # %% ../../nbs/03a_parallel.fsdp.ipynb #3c696cef
-_MARK = '_dtnb_replaced_by_fsdp'        # set on each parameter object that sharding took out of a model
+_REPLACED = {}                          # id of each live parameter sharding took out of a model -> weakref.finalize
 _CHECKED = weakref.WeakKeyDictionary()  # optimizer -> number of parameters it held when it passed the check
-_HOOK = []
+_HOOK = []                              # the step hook's handle, while `_REPLACED` holds a parameter
 
 _STALE_MSG = ("the optimizer holds {n} parameter(s) that are not the model's (sharded) parameters: "
               "sharding replaced them, so optimizer.step() would train nothing. "
               "Build the optimizer after wrap(model, 'fsdp'), e.g. torch.optim.AdamW(model.parameters())")
 
 def _stale(optimizer):
-    return [p for g in optimizer.param_groups for p in g['params'] if getattr(p, _MARK, False)]
+    return [p for g in optimizer.param_groups for p in g['params'] if get_state(p, 'replaced')]
 
 def _step_pre_hook(optimizer, args, kwargs):
-    "Global optimizer hook: refuse to step parameters that FSDP replaced"
+    "Global optimizer hook, while a parameter that FSDP replaced lives: refuse to step it"
     n = sum(len(g['params']) for g in optimizer.param_groups)
     if _CHECKED.get(optimizer) == n: return
     if stale := _stale(optimizer): raise RuntimeError(_STALE_MSG.format(n=len(stale)))
@@ -160,7 +161,7 @@ def _step_pre_hook(optimizer, args, kwargs):
 def check_optimizer(model:nn.Module, optimizer:torch.optim.Optimizer):
     "Raise if `optimizer` holds parameters that sharding replaced, or none of `model`'s, or is not ZeRO-1's"
     if stale := _stale(optimizer): raise RuntimeError(_STALE_MSG.format(n=len(stale)))
-    if getattr(model, '_dtnb_strategy', None) == 'zero1' and not hasattr(optimizer, 'consolidate_state_dict'):
+    if get_state(model, 'strategy') == 'zero1' and not hasattr(optimizer, 'consolidate_state_dict'):
         raise RuntimeError(f"wrap(model, 'zero1') splits the optimizer state over the ranks, but this "
                            f"{type(optimizer).__name__} keeps all of it on every rank: build it with "
                            f"dtnb.make_optimizer(model, torch.optim.{type(optimizer).__name__}, lr=...)")
@@ -170,12 +171,20 @@ def check_optimizer(model:nn.Module, optimizer:torch.optim.Optimizer):
                            "after wrap(...)")
 
 # %% ../../nbs/03a_parallel.fsdp.ipynb #40f0e45c
+def _forget(key):
+    "A replaced parameter was freed: out of the registry; with the last one, the step hook goes"
+    _REPLACED.pop(key, None)
+    while _HOOK and not _REPLACED: _HOOK.pop().remove()
+
 def _track_replaced(before, model):
-    "Remember the parameters in `before` that `model` no longer holds; install the optimizer step check once"
+    "Remember the parameters in `before` that `model` no longer holds, while they live; the step hook with them"
     now = {id(p) for p in model.parameters()}
     for p in before:
-        if id(p) not in now: setattr(p, _MARK, True)
-    if not _HOOK:
+        if id(p) in now or id(p) in _REPLACED: continue
+        set_state(p, 'replaced', True)
+        _REPLACED[id(p)] = f = weakref.finalize(p, _forget, id(p))  # runs before the id can name another object
+        f.atexit = False
+    if _REPLACED and not _HOOK:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         _HOOK.append(register_optimizer_step_pre_hook(_step_pre_hook))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import torch
 from torch import nn
+from ..core.state import get_state, set_state
 
 # %% auto #0
 __all__ = ['FUSED', 'QKV', 'HEADS', 'KV_HEADS', 'WIDTHS', 'head_rows', 'is_conv1d', 'features', 'fused_parts', 'NarrowInput',
@@ -115,7 +116,7 @@ def _stand_in(x, width):
 
 def _narrow(m, args, kwargs):
     "Forward pre-hook of an attention split by heads: its input replaced by a stand-in of one rank's width"
-    where, width, tp = m._dtnb_heads
+    where, width, tp = get_state(m, 'heads')
     key = None if args else next((k for k in ('hidden_states', 'x') if k in kwargs), None)
     x = args[0] if args else kwargs.get(key)
     if not torch.is_tensor(x) or x.shape[-1] != width:
@@ -123,7 +124,7 @@ def _narrow(m, args, kwargs):
                          f"got {tuple(x.shape) if torch.is_tensor(x) else type(x).__name__}: pass a plan= that "
                          f"leaves its layers whole")
     n = _stand_in(x, width // tp)
-    n._dtnb_input, n._dtnb_where = x, where
+    n._dtnb_input, n._dtnb_where = x, where  # on dtnb's own tensor, made for this forward: not `core.state`'s
     return ((n, *args[1:]), kwargs) if args else (args, {**kwargs, key: n})
 
 def _widen(m, args):
@@ -203,12 +204,12 @@ def _own(m, args, out):
 
 def _register_own(m, args):
     "Forward pre-hook, once: register `_own` after the output hooks that torch's styles registered since"
-    m._dtnb_own.remove()
+    get_state(m, 'own').remove()  # the handle stays in the state: `own_outputs` registers once
     m.register_forward_hook(_own)
 
 def own_outputs(m:nn.Module) -> nn.Module:
     "Let code change `m`'s tensor-parallel output in place (`+=`), as on one process: from its first forward on"
-    if not hasattr(m, '_dtnb_own'): m._dtnb_own = m.register_forward_pre_hook(_register_own)
+    if get_state(m, 'own') is None: set_state(m, 'own', m.register_forward_pre_hook(_register_own))
     return m
 
 # %% ../../nbs/03fb_parallel.heads.ipynb #93ce7e23
@@ -216,7 +217,7 @@ def own_outputs(m:nn.Module) -> nn.Module:
 def _reorder(m, rows):
     m.weight.copy_(m.weight[:, rows] if is_conv1d(m) else m.weight[rows])
     if m.bias is not None: m.bias.copy_(m.bias[rows])
-    m._dtnb_rows = rows
+    set_state(m, 'rows', rows)
 
 def split_heads(model:nn.Module, specs:dict, tp:int) -> nn.Module:
     "Re-order `specs`' fused layers by head group for `tp` ranks and set its attention modules to one rank's heads"
@@ -225,7 +226,7 @@ def split_heads(model:nn.Module, specs:dict, tp:int) -> nn.Module:
     for n, (attrs, width, layers) in specs['attention'].items():
         a = model.get_submodule(n)
         for k, v in attrs.items(): setattr(a, k, v)
-        a._dtnb_heads = (n or type(model).__name__, width, tp)
+        set_state(a, 'heads', (n or type(model).__name__, width, tp))
         a.register_forward_pre_hook(_narrow, with_kwargs=True)
         for l in layers: a.get_submodule(l).register_forward_pre_hook(_widen, prepend=True)
     for n in specs.get('outputs', ()): own_outputs(model.get_submodule(n))
@@ -249,7 +250,7 @@ def reordered(model) -> dict:
     out = {}
     for stage in _stages(model):
         for n, m in stage.named_modules():
-            if (rows := getattr(m, '_dtnb_rows', None)) is None: continue
+            if (rows := get_state(m, 'rows')) is None: continue
             for p in ('weight', 'bias'):
                 if getattr(m, p, None) is not None:
                     out[_fqn(stage, f"{n}.{p}" if n else p)] = (rows, 1 if p == 'weight' and is_conv1d(m) else 0)

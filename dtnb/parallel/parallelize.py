@@ -12,6 +12,7 @@ from torch import nn
 from ..core.utils import md_table, text_table, needs_torch
 from ..core.dist import require_group, current_device, world_size
 from ..core.models import find_blocks
+from ..core.state import set_state
 from .fsdp import apply_fsdp
 from .wrap import wrap, apply_activation_checkpointing
 from .pipeline import Pipeline, pipeline_stages
@@ -161,7 +162,7 @@ def parallelize(model:nn.Module,
     mesh = mesh if mesh is not None else degrees.build_mesh(dev.type)
     if degrees.sp_enabled:  # 1. Ulysses: every rank of an sp group loads the same batch, as `data_rank` says
         ulysses(model, group=mesh['sp'].get_group())
-        model._dtnb_ulysses_data = dict(zip(('rank', 'num_replicas'), data_rank(mesh)))  # for `ulysses_data`
+        set_state(model, 'ulysses_data', dict(zip(('rank', 'num_replicas'), data_rank(mesh))))  # `ulysses_data`
     cls = layer_cls
     if degrees.pp_enabled:  # a stage may hold one block of a stack: the block classes come from the whole model
         if cls is None: cls = tuple({type(model.get_submodule(b)) for b in find_blocks(model)})

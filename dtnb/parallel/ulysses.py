@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from ..core.dist import require_group, world_size, all_gather_objects
+from ..core.state import get_state, set_state
 
 # %% auto #0
 __all__ = ['IMPL', 'all_to_all', 'sequence_to_heads', 'heads_to_sequence', 'ulysses_attention', 'check_sp', 'ulysses',
@@ -59,7 +60,7 @@ _UNSUPPORTED = ('sliding_window', 'softcap', 's_aux', 'position_bias')
 def ulysses_attention(module:nn.Module, query, key, value, attention_mask=None, scaling=None, dropout:float=0.0,
                       **kwargs) -> tuple:
     "A transformers attention function: this rank's tokens in, all-to-all to heads, attention, all-to-all back"
-    group = module._dtnb_ulysses
+    group = get_state(module, 'ulysses')
     if bad := [k for k in _UNSUPPORTED if kwargs.get(k) is not None]:
         raise ValueError(f"ulysses attention does not support {', '.join(bad)} (of {type(module).__name__}): "
                          "train this model without ulysses")
@@ -82,7 +83,7 @@ def _part(t:torch.Tensor, P:int, r:int) -> torch.Tensor: return t.chunk(P, dim=1
 
 def _split_inputs(model, args, kwargs):
     "The forward pre-hook: the whole batch in, this rank's part of every sequence out"
-    group = model._dtnb_ulysses
+    group = get_state(model, 'ulysses')
     P, r = _ways(group)
     if args: kwargs, args = {'input_ids': args[0], **kwargs}, ()
     x = kwargs.get('input_ids')
@@ -98,11 +99,11 @@ def _split_inputs(model, args, kwargs):
                          "piece of the sequence): pack sequences to equal length, or label padding -100 and drop "
                          "the mask")
     if kwargs.get('position_ids') is None: kwargs['position_ids'] = torch.arange(s, device=x.device).expand(b, s)
-    model._dtnb_labels = None
+    set_state(model, 'labels', None)
     if (labels := kwargs.pop('labels', None)) is not None:  # the loss is `_loss`'s, from the logits
         if labels.shape != x.shape[:2]: raise ValueError(_per_token(model, f"labels of shape {tuple(labels.shape)}"))
-        if model._dtnb_causal: labels = F.pad(labels[:, 1:], (0, 1), value=-100)  # the next token, on any rank
-        model._dtnb_labels = _part(labels, P, r), (labels != -100).sum().clamp(min=1) / P
+        if get_state(model, 'causal'): labels = F.pad(labels[:, 1:], (0, 1), value=-100)  # the next token, any rank
+        set_state(model, 'labels', (_part(labels, P, r), (labels != -100).sum().clamp(min=1) / P))
     for k in ('input_ids', 'inputs_embeds', 'token_type_ids', 'position_ids'):
         if kwargs.get(k) is not None: kwargs[k] = _part(kwargs[k], P, r)
     return args, kwargs
@@ -113,8 +114,8 @@ def _per_token(model, what) -> str:
 
 def _loss(model, args, kwargs, out):
     "The forward hook: this rank's share of the group's mean token loss, P × (its tokens' summed loss) / all tokens"
-    if model._dtnb_labels is None: return out
-    labels, items = model._dtnb_labels
+    if (held := get_state(model, 'labels')) is None: return out
+    labels, items = held
     logits = out['logits']
     if logits.shape[:2] != labels.shape:
         raise ValueError(_per_token(model, f"logits of shape {tuple(logits.shape)} for labels {tuple(labels.shape)}"))
@@ -154,7 +155,7 @@ def ulysses(model:nn.Module,
                          f"`config._attn_implementation`), and {type(model).__name__} is not one: build the model "
                          "with transformers, or split the sequence in your attention with `sequence_to_heads`")
     if group is not None and sp is not None: raise ValueError("pass sp= or group=, not both")
-    if hasattr(model, '_dtnb_ulysses_data'):
+    if get_state(model, 'ulysses_data') is not None:
         raise ValueError("this model's sequences are split already: call ulysses once")
     group = group if group is not None else _group(sp or world_size())
     check_sp(_ways(group)[0], _ways(group)[0], getattr(model.config, 'num_attention_heads', None))
@@ -162,19 +163,19 @@ def ulysses(model:nn.Module,
     from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(IMPL, ulysses_attention)
     AttentionMaskInterface.register(IMPL, _no_mask)
-    for m in model.modules(): m._dtnb_ulysses = group  # the attention modules find their group here
-    model._dtnb_causal = _causal(model)
+    for m in model.modules(): set_state(m, 'ulysses', group)  # the attention modules find their group here
+    set_state(model, 'causal', _causal(model))
     model.set_attn_implementation(IMPL)
     model.register_forward_pre_hook(_split_inputs, with_kwargs=True)
     model.register_forward_hook(_loss, with_kwargs=True)
     import torch.distributed as dist
     first = min(dist.get_process_group_ranks(group))  # names this rank's group
     firsts = sorted(set(all_gather_objects(first)))   # one per group: its index is the group's data shard
-    model._dtnb_ulysses_data = dict(num_replicas=len(firsts), rank=firsts.index(first))
+    set_state(model, 'ulysses_data', dict(num_replicas=len(firsts), rank=firsts.index(first)))
     return model
 
 def ulysses_data(model:nn.Module) -> dict:
     "`num_replicas` and `rank` for `distributed_loader`: every rank of a sequence-parallel group loads the same batch"
-    data = getattr(getattr(model, 'module', model), '_dtnb_ulysses_data', None)  # under DDP: its .module
+    data = get_state(model, 'ulysses_data') or get_state(getattr(model, 'module', model), 'ulysses_data')  # DDP
     if data is None: raise ValueError("ulysses_data(model) takes a model that ulysses(model, sp) has split")
     return dict(data)

@@ -8,6 +8,7 @@ Docs: https://dtnb-dev.github.io/dtnb/parallel.wrap.html.md"""
 from __future__ import annotations
 from torch import nn
 from ..core.models import find_blocks
+from ..core.state import set_state
 from .ddp import prepare_batchnorm, apply_single, apply_ddp, apply_zero1
 from .fsdp import apply_zero2, apply_fsdp
 from .pipeline import apply_pipeline
@@ -50,7 +51,7 @@ def wrap(model:nn.Module, strategy:str='ddp',
     if strategy in SHARDED: options['layer_cls'] = layer_cls
     if offload: options['cpu_offload'] = True
     model = STRATEGIES[strategy](model, **options)
-    model._dtnb_strategy = strategy  # read by `make_optimizer`
+    set_state(model, 'strategy', strategy)  # read by `make_optimizer`, `check_optimizer` and `fit`
     return model
 
 # %% ../../nbs/03f_parallel.wrap.ipynb #a10479aa

@@ -17,6 +17,7 @@ from .batches import pipeline_args, check_pipeline_validation, fit_precision, mi
 from .batches import ShardNorm
 from ..core.batches import BatchLoss
 from ..core.models import find_blocks
+from ..core.state import get_state
 from ..parallel.fsdp import check_optimizer
 from .resume_state import resumable, batches_served
 from .checkpoint import save_checkpoint, checkpoint_path
@@ -103,7 +104,7 @@ def _kind(model) -> str:
 
 def _strategy(model) -> str:
     "The strategy applied to `model`: the name given to `wrap` ('zero1', 'zero3'...), else what `fit` drives"
-    return getattr(model, '_dtnb_strategy', None) or _kind(model)
+    return get_state(model, 'strategy') or _kind(model)
 
 def _reduce(losses, norms, kind) -> tuple[list, list]:
     "Per-step losses averaged over the data-parallel ranks, gradient norms (`ShardNorm`s summed): one all-reduce"
