@@ -127,8 +127,8 @@ def test_optimizer_built_before_sharding_is_refused(check):
         assert (held, after) == (True, False)
         assert msg == ("the optimizer holds 28 parameter(s) that are not the model's (sharded) parameters: "
                        "sharding replaced them, "
-                       "so optimizer.step() would train nothing. Build the optimizer after wrap(model, 'fsdp'), "
-                       "e.g. torch.optim.AdamW(model.parameters())")
+                       "so optimizer.step() would train nothing. Build the optimizer after wrap(model, 'fsdp') or "
+                       "parallelize(model, degrees), e.g. torch.optim.AdamW(model.parameters())")
 
 
 def optimizer_after():

@@ -146,7 +146,8 @@ _HOOK = []                              # the step hook's handle, while `_REPLAC
 
 _STALE_MSG = ("the optimizer holds {n} parameter(s) that are not the model's (sharded) parameters: "
               "sharding replaced them, so optimizer.step() would train nothing. "
-              "Build the optimizer after wrap(model, 'fsdp'), e.g. torch.optim.AdamW(model.parameters())")
+              "Build the optimizer after wrap(model, 'fsdp') or parallelize(model, degrees), e.g. "
+              "torch.optim.AdamW(model.parameters())")
 
 def _stale(optimizer):
     return [p for g in optimizer.param_groups for p in g['params'] if get_state(p, 'replaced')]

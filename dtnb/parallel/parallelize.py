@@ -13,7 +13,7 @@ from ..core.utils import md_table, text_table, needs_torch
 from ..core.dist import require_group, current_device, world_size
 from ..core.models import find_blocks
 from ..core.state import set_state
-from .fsdp import apply_fsdp
+from .fsdp import apply_fsdp, _track_replaced
 from .wrap import wrap, apply_activation_checkpointing
 from .pipeline import Pipeline, pipeline_stages
 from .tensor import apply_tp
@@ -160,6 +160,7 @@ def parallelize(model:nn.Module,
                          f"draw others): use dp_shard > 1 without pp (here dp_shard={degrees.dp_shard}, "
                          f"pp={degrees.pp}), or build the model on a device")
     mesh = mesh if mesh is not None else degrees.build_mesh(dev.type)
+    before = list(model.parameters())  # what tp, FSDP or the split replace: an optimizer holding them is refused
     if degrees.sp_enabled:  # 1. Ulysses: every rank of an sp group loads the same batch, as `data_rank` says
         ulysses(model, group=mesh['sp'].get_group())
         set_state(model, 'ulysses_data', dict(zip(('rank', 'num_replicas'), data_rank(mesh))))  # `ulysses_data`
@@ -187,9 +188,11 @@ def parallelize(model:nn.Module,
             apply_activation_checkpointing(m, mcls)                 # 2. activation checkpointing
         if degrees.tp_enabled: apply_tp(m, mesh['tp'], plan, sequence_parallel, cls)  # 3. tensor parallel
         out.append(apply_dp(m, degrees, mesh, dev, mcls, **fsdp))   # 4. FSDP / DDP
-    if not degrees.pp_enabled: return out[0]
-    dp_groups = [mesh[k].get_group() for k in ('dp_replicate', 'dp_shard') if mesh[k].size() > 1]
-    return Pipeline(out, mine, split.n_stages, loss_fn, schedule, n_microbatches, pp, dev, split, dp_groups)
+    if degrees.pp_enabled:
+        dp_groups = [mesh[k].get_group() for k in ('dp_replicate', 'dp_shard') if mesh[k].size() > 1]
+        out = [Pipeline(out, mine, split.n_stages, loss_fn, schedule, n_microbatches, pp, dev, split, dp_groups)]
+    _track_replaced(before, out[0])  # an optimizer built before holds parameters that are no longer trained
+    return out[0]
 
 # %% ../../nbs/03i_parallel.parallelize.ipynb #d6d306c7
 def _held(model, cls) -> tuple:
