@@ -13,7 +13,7 @@ from ..core.utils import md_table, text_table, needs_torch
 from ..core.dist import require_group, current_device, world_size
 from ..core.models import find_blocks
 from ..core.state import set_state
-from .fsdp import apply_fsdp, _track_replaced
+from .fsdp import apply_fsdp, _track_replaced  # the one registry of replaced parameters, its hook
 from .wrap import wrap, apply_activation_checkpointing
 from .pipeline import Pipeline, pipeline_stages
 from .tensor import apply_tp
