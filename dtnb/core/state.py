@@ -23,7 +23,7 @@ KEYS = {  # key: what it holds (the table above says on what, who sets it and wh
     'heads': "(name, input width, tp) of an attention module split by heads",
     'rows': "the row order by head group of a fused layer",
     'own': "the handle of `own_outputs`' forward pre-hook",
-    'replaced': "True on a parameter that FSDP's sharding took out of a model",
+    'replaced': "True on a parameter that FSDP, tp or a pipeline split took out of a model",
 }
 
 def _key(key:str) -> str:

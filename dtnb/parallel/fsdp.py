@@ -153,7 +153,7 @@ def _stale(optimizer):
     return [p for g in optimizer.param_groups for p in g['params'] if get_state(p, 'replaced')]
 
 def _step_pre_hook(optimizer, args, kwargs):
-    "Global optimizer hook, while a parameter that FSDP replaced lives: refuse to step it"
+    "Global optimizer hook, while a parameter that sharding (FSDP, tp, a split) replaced lives: refuse to step it"
     n = sum(len(g['params']) for g in optimizer.param_groups)
     if _CHECKED.get(optimizer) == n: return
     if stale := _stale(optimizer): raise RuntimeError(_STALE_MSG.format(n=len(stale)))

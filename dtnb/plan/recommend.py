@@ -241,7 +241,7 @@ class Node:
     inter:float=50e9             # bytes/s across nodes (400 Gb/s)
     latency:float=0.0            # seconds each collective or send costs beside its bytes (a tiny one's time; 0: none)
     call:float=0.0               # seconds more of the rank's own time for each collective FSDP or DTensor issues
-    overlap:float=1.0            # share of the compute that dp's collectives run behind (GPUs: on their own stream)
+    overlap:float=1.0            # share of dp's traffic that can run behind the compute (GPUs: own stream; CPU: less)
     streams:bool=True            # collectives on streams of their own: without (CPU), FSDP's block the rank
     dispatch:float=0.0           # seconds of the rank's own time per tp-split Linear and micro-batch (DTensor's
                                  # Python; on GPUs it runs ahead of the device's queue: 0)
@@ -317,7 +317,7 @@ def dp_exposed(seconds:float, calls:int, sharded:bool, compute:float, overlap:fl
                activation_checkpointing:bool=False,
                last:float|None=None, # the share of the bytes the backward hands over last (default: 1 / calls)
               ) -> float:
-    "What the step waits for of `seconds` of collectives (`calls`; dp's, or pp's sends) run behind `compute`"
+    "What the step waits for of `seconds` of collectives (`calls` of dp's) run behind `compute`"
     if not calls: return seconds
     # DDP's buckets start as the backward fills them; FSDP gathers the next unit's parameters during the forward too
     behind = compute * (1 if sharded else 3 / 4 if activation_checkpointing else 2 / 3)
