@@ -16,7 +16,8 @@ _API = '''
     schedule_order bubble_fraction
     Degrees parallelize tp_plan apply_tp data_rank
     ulysses ulysses_data ulysses_attention
-    estimate_memory recommend measure_memory trace_activations memory_explorer TransformerShape MemoryEstimate
+    estimate_memory estimate_layout_memory recommend measure_memory trace_activations memory_explorer
+    TransformerShape MemoryEstimate
     layout_candidates step_time step_parts step_collectives dp_exposed transformer_flops Node
     MemoryPlan MemoryMeasurement
     find_batch_size BatchSize

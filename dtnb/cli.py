@@ -114,8 +114,8 @@ def _plan(args):
                          "(--layers --hidden --heads --seq-len)")
     if args.predict: return _predict(args, shape)
     if args.strategy:
-        r = estimate_memory(model, args.strategy, args.world_size or 1, args.optimizer, args.precision,
-                            shape=shape,
+        r = estimate_memory(model, args.strategy, args.world_size or 1, optimizer=args.optimizer,
+                            precision=args.precision, shape=shape,
                             activation_checkpointing=args.activation_checkpointing, offload=args.offload,
                             ulysses=args.ulysses)
     else:

@@ -105,8 +105,8 @@ def test_fake_trace_equals_real_forward(name, precision):
     "The trace under FakeTensorMode counts the same saved bytes as the same forward on real tensors"
     model, batch = MODELS[name]()
     loss = F.cross_entropy if name == 'embedding+ce' else None
-    fake, real = trace_activations(model, batch, loss, precision), trace_activations(model, batch, loss, precision,
-                                                                                     fake=False)
+    fake = trace_activations(model, batch, loss, precision=precision)
+    real = trace_activations(model, batch, loss, precision=precision, fake=False)
     assert (fake.saved, fake.checkpointed, fake.tensors) == (real.saved, real.checkpointed,
                                                              real.tensors) and fake.saved > 0
 
@@ -181,9 +181,11 @@ def test_explorer_follows_its_controls():
     shape = TransformerShape(layers=8, hidden=1024, heads=16, seq_len=512, batch=2)
     w = memory_explorer(shape, world_size=16, strategy='fsdp', precision='zero-mixed')
     ctl = {c.description: c for c in w.kwargs_widgets}
-    assert w.result == estimate_memory(shape.params(), 'zero3', 16, 'adamw', 'zero-mixed', shape=shape)
+    assert w.result == estimate_memory(shape.params(), 'zero3', 16, optimizer='adamw', precision='zero-mixed',
+                                       shape=shape)
     ctl['devices'].value, ctl['precision'].value, ctl['micro-batch'].value = 4, 'fp32', 8
-    assert w.result == estimate_memory(shape.params(), 'zero3', 4, 'adamw', 'fp32', shape=replace(shape, batch=8))
+    assert w.result == estimate_memory(shape.params(), 'zero3', 4, optimizer='adamw', precision='fp32',
+                                     shape=replace(shape, batch=8))
     ctl['strategy'].value = 'single'
     assert "world_size must be 1, not 4" in w.result
 

@@ -78,7 +78,7 @@ def ranked(name, check_errors=False):
     start = {k: v.clone() for k, v in pipe.state_dict().items()}
     out = dict(gpipe=train(pipe, ids, dict_batch=False))
     pipe.load_state_dict(start)
-    pipe = Pipeline(pipe.modules, pipe.stage_indices, pipe.n_stages, causal_lm_loss, '1f1b', split=pipe.split)
+    pipe = Pipeline(pipe.modules, pipe.stage_indices, pipe.n_stages, causal_lm_loss, schedule='1f1b', split=pipe.split)
     out['1f1b'] = train(pipe, ids, dict_batch=True)  # a dict batch: input_ids and labels
     e = estimate_memory(MODELS[name](), 'pipeline', 2, rank=pipe.pp_rank, example=ids[:BATCH // 4])  # a CPU trace
     out['estimate'] = {c: getattr(e, c) for c in ('parameters', 'gradients', 'optimizer_states')}

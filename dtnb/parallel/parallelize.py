@@ -168,7 +168,8 @@ def parallelize(model:nn.Module,
     if degrees.pp_enabled:  # a stage may hold one block of a stack: the block classes come from the whole model
         if cls is None: cls = tuple({type(model.get_submodule(b)) for b in find_blocks(model)})
         pp = mesh['pp'].get_group()
-        split, mine, mods = pipeline_stages(model, n_stages, split_points, schedule, balance, example, pp)
+        split, mine, mods = pipeline_stages(model, n_stages, split_points=split_points, schedule=schedule,
+                                            balance=balance, example=example, group=pp)
         if split.trace is not None and (activation_checkpointing or degrees.tp_enabled):
             raise ValueError(f"{type(model).__name__} is not a chain of units: torch's tracer cut it, and traced "
                              "stages run as traced, with pipeline and data parallelism (FSDP or DDP over each "
@@ -190,7 +191,8 @@ def parallelize(model:nn.Module,
         out.append(apply_dp(m, degrees, mesh, dev, mcls, **fsdp))   # 4. FSDP / DDP
     if degrees.pp_enabled:
         dp_groups = [mesh[k].get_group() for k in ('dp_replicate', 'dp_shard') if mesh[k].size() > 1]
-        out = [Pipeline(out, mine, split.n_stages, loss_fn, schedule, n_microbatches, pp, dev, split, dp_groups)]
+        out = [Pipeline(out, mine, split.n_stages, loss_fn, schedule=schedule, n_microbatches=n_microbatches,
+                        group=pp, device=dev, split=split, dp_groups=dp_groups)]
     _track_replaced(before, out[0])  # an optimizer built before holds parameters that are no longer trained
     return out[0]
 

@@ -126,7 +126,7 @@ def causal_lm_loss(logits, labels):
 # %% ../../nbs/03d_parallel.pipeline.ipynb #73bc8f2e
 class Pipeline:
     "This rank's stages of a pipelined model and the schedule that trains them: `step(inputs, targets)` -> batch loss"
-    def __init__(self, modules:list, stage_indices:list, n_stages:int, loss_fn, schedule:str='1f1b',
+    def __init__(self, modules:list, stage_indices:list, n_stages:int, loss_fn, *, schedule:str='1f1b',
                  n_microbatches:int|None=None,  # default: twice the pipeline ranks, at least the number of stages
                  group=None, device=None,       # the pipeline's process group (default: all ranks); this rank's device
                  split:PipelineSplit|None=None, # how it was cut (a traced cut ties shared weights)
@@ -343,7 +343,7 @@ class Pipeline:
 # %% ../../nbs/03d_parallel.pipeline.ipynb #75271a25
 def _hugging_face(model) -> bool: return getattr(getattr(model, 'config', None), 'model_type', None) is not None
 
-def pipeline_stages(model:nn.Module, n_stages=None, split_points=None, schedule:str='1f1b', balance:str='params',
+def pipeline_stages(model:nn.Module, n_stages=None, *, split_points=None, schedule:str='1f1b', balance:str='params',
                     example=None, group=None, trace:bool|None=None) -> tuple:
     "Cut `model` for the pipeline ranks of `group`: returns (split, this rank's stage indices, their modules)"
     import torch.distributed as dist
@@ -375,6 +375,7 @@ def pipeline_stages(model:nn.Module, n_stages=None, split_points=None, schedule:
 def apply_pipeline(model:nn.Module,
                    loss_fn,                      # loss_fn(output, target): the mean loss of a microbatch
                    n_stages:int|None=None,       # default: one stage per rank (two for multi-stage schedules)
+                   *,
                    split_points:list|None=None,  # or: the units that start stages 1, 2, ... (e.g. ['layers.2'])
                    n_microbatches:int|None=None, # default: twice the pipeline ranks, at least the number of stages
                    schedule:str='1f1b',          # a name in `SCHEDULES`: 'gpipe', '1f1b', 'interleaved1f1b', 'zbv' ...
@@ -387,7 +388,8 @@ def apply_pipeline(model:nn.Module,
                   ) -> Pipeline:
     "Cut `model` into stages over the ranks of `group`; returns this rank's part, trained with `step(inputs, targets)`"
     _check_loss_fn(loss_fn)
-    split, mine, mods = pipeline_stages(model, n_stages, split_points, schedule, balance, example, group, trace)
+    split, mine, mods = pipeline_stages(model, n_stages, split_points=split_points, schedule=schedule, balance=balance,
+                                        example=example, group=group, trace=trace)
     dev = torch.device(device) if device is not None else current_device()
-    return Pipeline([m.to(dev) for m in mods], mine, split.n_stages, loss_fn, schedule, n_microbatches, group, dev,
-                    split)
+    return Pipeline([m.to(dev) for m in mods], mine, split.n_stages, loss_fn, schedule=schedule,
+                    n_microbatches=n_microbatches, group=group, device=dev, split=split)

@@ -124,6 +124,7 @@ def _prepare(model, batch, precision, fake):
 def trace_activations(model, # an `nn.Module`; it is not changed, and nothing of its size is allocated
                       batch, # an example batch per device: (inputs, targets), inputs alone, or a dict (`core.batches`)
                       loss_fn=None, # `loss_fn(output, target)`; without it the model's own loss, else as `fit` does
+                      *,
                       precision:str=DEFAULT_PRECISION, # a name of `PRECISIONS`: 'fp32', 'bf16-mixed', 'bf16-true', ...
                       units=None, # module classes (or names) to recompute; default: `find_blocks(model)`
                       fake:bool=True, # trace under FakeTensorMode (no memory); False runs the real forward

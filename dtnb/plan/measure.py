@@ -17,11 +17,11 @@ from ..core.dist import current_device, rank_world
 from ..parallel.ddp import make_optimizer
 from ..parallel.wrap import wrap
 from .activations import SavedCounter, measured_loss, trace_activations
-from .memory import check_setup, estimate_memory
+from .memory import check_setup, estimate_memory, estimate_layout_memory
 from ..parallel.pipeline import apply_pipeline, step_batch, Pipeline, causal_lm_loss
 from ..core.batches import BatchLoss, output_logits, takes_labels
 from ..parallel.parallelize import Degrees, parallelize
-from .memory import tp_local
+from .layout import tp_local
 
 # %% auto #0
 __all__ = ['MEASURABLE', 'named_optimizer', 'MemoryMeasurement', 'measure_memory']
@@ -215,21 +215,23 @@ def measure_memory(model, # the `nn.Module` to train one step (a copy is trained
     if world_size == 1: measured = [_measure_step(copy.deepcopy(model), *args)]
     else: measured = launch(_measure_step, model, *args, nprocs=world_size, timeout=timeout)
     if s == 'pipeline': how = BatchLoss(functools.partial(_logits_loss, how.loss_fn))  # as the last stage has it
-    trace = trace_activations(model, batch, how, precision, units)
+    trace = trace_activations(model, batch, how, precision=precision, units=units)
     ex = _pipeline_example(batch, world_size) if s == 'pipeline' else None
-    ests = [estimate_memory(model, s, world_size, optimizer, precision, activations=trace, units=units, rank=r,
-                            example=ex) for r in range(world_size)]
+    ests = [estimate_memory(model, s, world_size, optimizer=optimizer, precision=precision, activations=trace,
+                            units=units, rank=r, example=ex) for r in range(world_size)]
     return MemoryMeasurement(ests, measured)
 
 def _layout_estimates(model, batch, d, optimizer, precision, how, units):
-    "estimate_memory of every rank of layout `d`, activations traced on the tp-local model (a pipeline's: scaled)"
-    kw = dict(degrees=d, optimizer=optimizer, precision=precision, units=units)
+    "`estimate_layout_memory` of each rank of `d`, activations traced on the tp-local model (a pipeline's: scaled)"
+    kw = dict(optimizer=optimizer, precision=precision, units=units)
     if d.pp_enabled:
         lf = functools.partial(_logits_loss, _stage_loss(model, how.loss_fn))  # as the last stage computes it
         ex = _pipeline_example(batch, d.pp)  # the microbatch parallelize cuts (and traces) the model on
-        return [estimate_memory(model, batch=batch, loss_fn=lf, rank=r, example=ex, **kw) for r in range(d.world_size)]
-    tr = trace_activations(tp_local(model, d.tp) if d.tp_enabled else model, batch, how, precision, units)
-    return [estimate_memory(model, activations=tr, rank=r, **kw) for r in range(d.world_size)]
+        return [estimate_layout_memory(model, d, batch=batch, loss_fn=lf, rank=r, example=ex, **kw)
+                for r in range(d.world_size)]
+    tr = trace_activations(tp_local(model, d.tp) if d.tp_enabled else model, batch, how, precision=precision,
+                           units=units)
+    return [estimate_layout_memory(model, d, activations=tr, rank=r, **kw) for r in range(d.world_size)]
 
 def _measure_layouts(model, batch, strategy, world_size, degrees, optimizer, precision, how, units, lr, timeout):
     "`measure_memory` of one `parallelize` layout, or of a list of them in one launch"

@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/plan.memory.html.md"""
 
 # %% ../../nbs/04a_plan.memory.ipynb #b4312852
 from __future__ import annotations
-import math, copy, fnmatch
+import math
 from dataclasses import dataclass, asdict
 from torch import nn
 from ..core.utils import PRECISIONS, DEFAULT_PRECISION, check_precision, shard_numel, fmt_bytes, md_table, text_table
@@ -14,15 +14,14 @@ from ..core.models import find_blocks
 from ..core.batches import BatchLoss
 from .activations import ActivationTrace, trace_activations
 from ..parallel.pipeline_split import split_model, chain_problem, traced_stage_tensors
-from ..parallel.tensor import tp_plan
 from ..parallel.parallelize import Degrees
-from ..parallel.heads import is_conv1d, features, head_specs, split_heads
+from .layout import layout_coords, tp_shapes, tp_local
 from ..parallel.ulysses import check_sp
 
 # %% auto #0
 __all__ = ['OPTIMIZERS', 'ALIASES', 'SHARDS', 'optimizer_bytes', 'TransformerShape', 'ModelSizes', 'model_sizes',
-           'MemoryEstimate', 'check_setup', 'stage_sizes', 'stage_tensors', 'estimate_memory', 'layout_coords',
-           'tp_linears', 'tp_shapes', 'layout_sizes', 'tp_local']
+           'MemoryEstimate', 'check_setup', 'stage_sizes', 'stage_tensors', 'estimate_memory', 'estimate_layout_memory',
+           'layout_sizes']
 
 # %% ../../nbs/04a_plan.memory.ipynb #33173573
 OPTIMIZERS = {'sgd': 0, 'momentum': 1, 'adam': 2, 'adamw': 2}  # optimizer state tensors per parameter
@@ -209,7 +208,7 @@ class MemoryEstimate:
     def __str__(self): return self.title() + '\n' + text_table(*self._table())
 
 # %% ../../nbs/04a_plan.memory.ipynb #fcf60878
-def check_setup(strategy, world_size:int, optimizer:str, precision:str, offload:bool=False, rank:int=0) -> tuple:
+def check_setup(strategy, world_size:int, optimizer:str, precision:str, *, offload:bool=False, rank:int=0) -> tuple:
     "Checked, normalised (strategy, optimizer, precision), or a ValueError that says how to fix it"
     s = ALIASES.get(str(strategy).lower(), str(strategy).lower())
     if s not in SHARDS:
@@ -238,7 +237,8 @@ def _activations(model, sizes, batch, loss_fn, shape, activations, precision, ac
     if batch is not None:
         if sizes is None: raise ValueError("batch= needs a model to trace; with a parameter count give "
                                            "shape=TransformerShape(...) instead")
-        return trace_activations(model, batch, loss_fn, precision, units).bytes(activation_checkpointing), 'traced'
+        tr = trace_activations(model, batch, loss_fn, precision=precision, units=units)
+        return tr.bytes(activation_checkpointing), 'traced'
     if shape is not None:
         return shape.activation_bytes(PRECISIONS[precision].activations, activation_checkpointing), 'formula'
     return None, 'not estimated'
@@ -279,6 +279,7 @@ def stage_tensors(model, n_stages:int, stage:int, example=None) -> tuple:
 def estimate_memory(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
                     strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp'), or 'pipeline'
                     world_size:int=1, # devices (ranks) the model is trained on; a pipeline's stages
+                    *,
                     optimizer:str='adamw', # 'sgd', 'momentum', 'adam' or 'adamw'
                     precision:str=DEFAULT_PRECISION, # 'fp32', 'bf16-mixed' (autocast), 'zero-mixed' (ZeRO's)...
                     batch=None, # example batch per device, to trace the activations (needs a model)
@@ -290,9 +291,9 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
                     units=None, # module classes (or names) that are the model's units (default: `find_blocks`)
                     rank:int=0, # the rank whose shard (a pipeline: whose stage) to count (ZeRO: rank 0 holds the most)
                     example=None, # a pipeline's microbatch of inputs, as given to `apply_pipeline` (see `stage_sizes`)
-                    degrees:Degrees|None=None, # a layout for `parallelize` instead of a strategy (see below)
-                    sequence_parallel:bool=False, # with `degrees.tp > 1`: activations split by sequence too
                     ulysses:int=1, # ranks splitting each sequence (`ulysses(model, sp)`): activations ÷ ulysses
+                    degrees:Degrees|None=None, # a `parallelize` layout: `estimate_layout_memory(model, degrees, ...)`
+                    sequence_parallel:bool=False, # with `degrees`: passed on to `estimate_layout_memory`
                    ) -> MemoryEstimate:
     "Bytes per device for parameters, gradients, optimizer state, activations and temporary buffers"
     if ulysses != 1 and (degrees is not None or str(strategy).lower() in ('pipeline', 'single')):
@@ -300,9 +301,14 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
                          f"stage or Degrees(sp={ulysses}), not {'degrees=' if degrees is not None else repr(strategy)}")
     loss_fn = BatchLoss.of(loss_fn, step_fn, keys)  # the three as one, on to the trace
     if degrees is not None:
-        return _estimate_layout(model, degrees, strategy, world_size, optimizer, precision, batch, loss_fn, shape,
-                                activation_checkpointing, offload, activations, units, rank, example, sequence_parallel)
-    strategy, optimizer, precision = check_setup(strategy, world_size, optimizer, precision, offload, rank)
+        if strategy != 'single' or offload:
+            raise ValueError("degrees= is the layout parallelize runs, instead of a strategy: drop "
+                             f"strategy={strategy!r}" + " and offload=True" * offload)
+        return estimate_layout_memory(model, degrees, world_size=world_size, rank=rank, optimizer=optimizer,
+                                      precision=precision, batch=batch, loss_fn=loss_fn, shape=shape,
+                                      activation_checkpointing=activation_checkpointing, activations=activations,
+                                      units=units, example=example, sequence_parallel=sequence_parallel)
+    strategy, optimizer, precision = check_setup(strategy, world_size, optimizer, precision, offload=offload, rank=rank)
     check_sp(ulysses, world_size, getattr(shape or model, 'heads', None), 'ulysses')  # as ulysses(model, sp) does
     if isinstance(model, TransformerShape): model, shape = model.params(), shape or model
     sizes = model_sizes(model, units) if hasattr(model, 'parameters') else None
@@ -329,42 +335,57 @@ def estimate_memory(model, # an `nn.Module`, a parameter count, or a `Transforme
                              units)
     if acts is not None: acts //= ulysses
     tmp = comm + (0 if offload else opt_tmp)
-    return MemoryEstimate(strategy, world_size, optimizer, precision, psi, dev['parameters'], dev['gradients'],
-                          dev['optimizer'], acts, tmp, host, activation_checkpointing, offload, src, rank, unit,
-                          ulysses=ulysses)
+    return MemoryEstimate(strategy, world_size, optimizer, precision, psi, parameters=dev['parameters'],
+                          gradients=dev['gradients'], optimizer_states=dev['optimizer'], activations=acts,
+                          temporary=tmp, offloaded=host, activation_checkpointing=activation_checkpointing,
+                          offload=offload, activation_source=src, rank=rank, unit=unit, ulysses=ulysses)
 
 # %% ../../nbs/04a_plan.memory.ipynb #10c03489
-def layout_coords(degrees:Degrees, rank:int) -> dict:
-    "Where `rank` sits on `degrees`' mesh: {'pp': its stage, 'dp_replicate', 'dp_shard', 'sp', 'tp': its index in each}"
-    names, out = degrees.dims, {}  # the order of Degrees.sizes: tp innermost
-    for k, n in reversed(list(zip(names, degrees.sizes))): out[k] = rank % n; rank //= n
-    return {k: out[k] for k in names}
+def estimate_layout_memory(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
+                           degrees:Degrees, # the layout `parallelize` runs: Degrees(dp_replicate, dp_shard, sp, tp, pp)
+                           *,
+                           world_size:int|None=None, # ranks, to resolve a -1 degree (default: the degrees' product)
+                           rank:int=0, # the rank whose tensors to count (its stage, its shards)
+                           optimizer:str='adamw', # 'sgd', 'momentum', 'adam' or 'adamw'
+                           precision:str=DEFAULT_PRECISION, # 'fp32', 'bf16-mixed' (autocast), 'zero-mixed' (ZeRO's)...
+                           batch=None, # example batch per device, traced on the rank's tp-local copy (needs a model)
+                           loss_fn=None, step_fn=None, keys=None, # the traced batch's loss, as `fit` takes it
+                           shape:TransformerShape|None=None, # transformer shapes, for the activation formula
+                           activation_checkpointing:bool=False, # activation checkpointing of each unit (layer)
+                           activations=None, # bytes, or an `ActivationTrace`, instead of tracing
+                           units=None, # module classes (or names) that are the model's units (default: `find_blocks`)
+                           example=None, # a microbatch of inputs to cut the pipeline on (see `stage_sizes`)
+                           sequence_parallel:bool=False, # with tp > 1: activations split by sequence too
+                          ) -> MemoryEstimate:
+    "Bytes per device on rank `rank` of `parallelize(model, degrees)`: model states, activations, temporary buffers"
+    loss_fn, ws = BatchLoss.of(loss_fn, step_fn, keys), world_size or 1
+    d = degrees.resolve(ws if -1 in degrees.sizes else degrees.world_size)
+    if ws not in (1, d.world_size): d.resolve(ws)  # says the arithmetic
+    _, optimizer, precision = check_setup('single', 1, optimizer, precision)
+    if not 0 <= rank < d.world_size: raise ValueError(f"rank={rank} must be in 0..{d.world_size - 1} for {d._arith()}")
+    if sequence_parallel and not d.tp_enabled:
+        raise ValueError("sequence_parallel=True splits activations over the tensor-parallel ranks: it needs tp > 1")
+    if isinstance(model, TransformerShape): model, shape = model.params(), shape or model
+    if not hasattr(model, 'parameters') and (isinstance(model, bool) or not isinstance(model, (int, float))
+                                             or model <= 0):
+        raise ValueError(f"model={model!r} must be an nn.Module, a TransformerShape or a positive parameter count")
+    sizes, p, g, o, unit = _layout_states(model, d, rank, example, units, shape)
+    pr = PRECISIONS[precision]
+    ntensors = sum(t for _, t in sizes.shapes) if sizes and OPTIMIZERS[optimizer] == 2 else 0  # Adam's `step`s
+    acts, src = _layout_activations(model, d, layout_coords(d, rank)['pp'], batch, loss_fn, shape, activations,
+                                    precision, activation_checkpointing, units, sequence_parallel)
+    acts = acts if acts is None else acts // d.sp  # Ulysses: each rank holds a 1/sp slice of every sequence
+    comm = (3 * (unit or 0) * pr.activations if d.dp_shard_enabled else  # FSDP: gathered units; DDP's buckets:
+            g * pr.grads if (d.dp_replicate_enabled or d.sp_enabled) and not (d.tp_enabled or d.pp_enabled) else 0)
+    tmp = comm + (o * pr.optimizer_state if OPTIMIZERS[optimizer] == 2 else 0)
+    psi = sum(p.numel() for p in model.parameters()) if sizes else int(model)
+    return MemoryEstimate(_layout_name(d), d.world_size, optimizer, precision, psi,
+                          parameters=p * pr.params + (sizes.buffer_bytes if sizes else 0), gradients=g * pr.grads,
+                          optimizer_states=o * optimizer_bytes(optimizer, precision) + 4 * ntensors,
+                          activations=acts, temporary=tmp, activation_checkpointing=activation_checkpointing,
+                          activation_source=src, rank=rank, unit=unit, degrees=d)
 
-# %% ../../nbs/04a_plan.memory.ipynb #2c6da572
-def tp_linears(model:nn.Module, tp:int) -> dict:
-    "{name: (out, in, colwise) features on one of `tp` ranks} of each Linear (or `Conv1D`) that `tp_plan` splits"
-    if tp == 1: return {}
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    plan, out = tp_plan(model), {}
-    for name, m in model.named_modules():
-        style = next((v for k, v in plan.items() if fnmatch.fnmatch(name, k)), None)
-        if not isinstance(style, (ColwiseParallel, RowwiseParallel)) or not (oi := features(m)): continue
-        (o, i), col = oi, isinstance(style, ColwiseParallel)
-        dim, what = (o, 'output') if col else (i, 'input')
-        if dim % tp: raise ValueError(f"{name} has {dim} {what} features, which do not split into tp={tp} equal "
-                                      f"parts: choose a tensor-parallel degree dividing {dim}")
-        out[name] = (o // tp, i, True) if col else (o, i // tp, False)
-    head_specs(model, plan, tp)  # whole heads, fused layers, stored head counts: refused here as apply_tp refuses them
-    return out
-
-def tp_shapes(model:nn.Module, tp:int) -> dict:
-    "{id(parameter): its shape on one of `tp` tensor-parallel ranks} for the parameters `tp_plan` splits"
-    out = {}
-    for name, (o, i, col) in tp_linears(model, tp).items():
-        m = model.get_submodule(name)
-        out[id(m.weight)] = (i, o) if is_conv1d(m) else (o, i)  # GPT-2's Conv1D: weight (in, out)
-        if col and m.bias is not None: out[id(m.bias)] = (o,)
-    return out
+def _layout_name(d): return d._arith(on=True) or 'single'
 
 # %% ../../nbs/04a_plan.memory.ipynb #6858a95e
 def layout_sizes(model:nn.Module, degrees:Degrees, rank:int=0, example=None, units=None) -> tuple:
@@ -384,14 +405,6 @@ def layout_sizes(model:nn.Module, degrees:Degrees, rank:int=0, example=None, uni
                    sum(shard_numel(sh, ds, s) for sh, t in shapes if t))
 
 # %% ../../nbs/04a_plan.memory.ipynb #aa4a06f7
-def tp_local(model:nn.Module, tp:int) -> nn.Module:
-    "A copy of `model` (on meta) whose split Linears are one rank's slices, and its attention one rank's heads"
-    local = copy.deepcopy(model)
-    for name, (o, i, _) in tp_linears(model, tp).items():
-        m = model.get_submodule(name)
-        local.set_submodule(name, nn.Linear(i, o, m.bias is not None, device='meta', dtype=m.weight.dtype))
-    return split_heads(local, dict(head_specs(model, tp_plan(model), tp), fused={}), tp)  # rows: already one rank's
-
 def _layout_activations(model, d, stage, batch, loss_fn, shape, activations, precision, ac, units, sp):
     "(bytes, source) of the activations on a rank of stage `stage` of the layout `d`"
     if activations is not None or (batch is None and shape is None):
@@ -400,7 +413,7 @@ def _layout_activations(model, d, stage, batch, loss_fn, shape, activations, pre
         if not hasattr(model, 'parameters'): raise ValueError("batch= needs a model to trace; with a parameter count "
                                                              "give shape=TransformerShape(...) instead")
         m = tp_local(model, d.tp) if d.tp > 1 else model
-        b = trace_activations(m, batch, loss_fn, precision, units).bytes(ac)
+        b = trace_activations(m, batch, loss_fn, precision=precision, units=units).bytes(ac)
         n = 2 * d.pp  # parallelize's micro-batches
         return (b * min(d.pp - stage, n) // (n * d.pp) if d.pp > 1 else b), 'traced'
     elem = PRECISIONS[precision].activations
@@ -415,36 +428,3 @@ def _layout_states(model, d, rank, example, units, shape):
     c = layout_coords(d, rank)
     n = -(-(shape.stage_params(d.pp, c['pp'], d.tp) if shape else -(-int(model) // (d.pp * d.tp))) // d.shard_size)
     return None, n, n, n, (-(-int(model) // (shape.layers * d.tp)) if shape else None)
-
-def _estimate_layout(model, degrees, strategy, world_size, optimizer, precision, batch, loss_fn, shape, ac, offload,
-                     activations, units, rank, example, sp):
-    "`estimate_memory` for a `parallelize` layout: see above"
-    if strategy != 'single' or offload:
-        raise ValueError(f"degrees= is the layout parallelize runs, instead of a strategy: drop strategy={strategy!r}"
-                         + " and offload=True" * offload)
-    d = degrees.resolve(world_size if -1 in degrees.sizes else degrees.world_size)
-    if world_size not in (1, d.world_size): d.resolve(world_size)  # says the arithmetic
-    _, optimizer, precision = check_setup('single', 1, optimizer, precision)
-    if not 0 <= rank < d.world_size: raise ValueError(f"rank={rank} must be in 0..{d.world_size - 1} for {d._arith()}")
-    if sp and not d.tp_enabled: raise ValueError("sequence_parallel=True splits activations over the tensor-parallel "
-                                                 "ranks: it needs tp > 1")
-    if isinstance(model, TransformerShape): model, shape = model.params(), shape or model
-    if not hasattr(model, 'parameters') and (isinstance(model, bool) or not isinstance(model, (int, float))
-                                             or model <= 0):
-        raise ValueError(f"model={model!r} must be an nn.Module, a TransformerShape or a positive parameter count")
-    sizes, p, g, o, unit = _layout_states(model, d, rank, example, units, shape)
-    pr = PRECISIONS[precision]
-    ntensors = sum(t for _, t in sizes.shapes) if sizes and OPTIMIZERS[optimizer] == 2 else 0  # Adam's `step`s
-    acts, src = _layout_activations(model, d, layout_coords(d, rank)['pp'], batch, loss_fn, shape, activations,
-                                    precision, ac, units, sp)
-    acts = acts if acts is None else acts // d.sp  # Ulysses: each rank holds a 1/sp slice of every sequence
-    comm = (3 * (unit or 0) * pr.activations if d.dp_shard_enabled else  # FSDP: gathered units; DDP's buckets:
-            g * pr.grads if (d.dp_replicate_enabled or d.sp_enabled) and not (d.tp_enabled or d.pp_enabled) else 0)
-    tmp = comm + (o * pr.optimizer_state if OPTIMIZERS[optimizer] == 2 else 0)
-    psi = sum(p.numel() for p in model.parameters()) if sizes else int(model)
-    return MemoryEstimate(_layout_name(d), d.world_size, optimizer, precision, psi,
-                          p * pr.params + (sizes.buffer_bytes if sizes else 0), g * pr.grads,
-                          o * optimizer_bytes(optimizer, precision) + 4 * ntensors, acts, tmp, 0, ac, False, src,
-                          rank, unit, d)
-
-def _layout_name(d): return d._arith(on=True) or 'single'

@@ -13,7 +13,8 @@ from ..core.models import find_blocks
 from .activations import trace_activations
 from ..parallel.pipeline_split import pipeline_units
 from .memory import OPTIMIZERS, ALIASES, SHARDS, TransformerShape, MemoryEstimate, estimate_memory
-from .memory import tp_linears
+from .memory import estimate_layout_memory
+from .layout import tp_linears
 from ..core.batches import BatchLoss
 from ..parallel.parallelize import Degrees
 from ..parallel.tensor import tp_pairs
@@ -175,7 +176,7 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
     if layouts: return _recommend_layout(model, batch, ws, memory, device, margin, optimizer, precision, loss_fn,
                                          shape, units, node or Node())
     kw = dict(optimizer=optimizer, precision=precision, shape=shape, units=units)
-    if batch is not None: kw['activations'] = trace_activations(model, batch, loss_fn, precision, units)
+    if batch is not None: kw['activations'] = trace_activations(model, batch, loss_fn, precision=precision, units=units)
     single = estimate_memory(model, 'single', 1, **kw)
     acts = single.activations is not None  # without activations, checkpointing changes nothing the table shows
     opts = [estimate_memory(model, s, ws, activation_checkpointing=c, offload=o, **kw) for s, c, o in _ladder(ws, acts)]
@@ -365,7 +366,7 @@ def _layout_options(model, batch, ws, optimizer, precision, loss_fn, shape, unit
     out = []
     for d in layout_candidates(model, ws, node.devices, units):
         for ac in acs:
-            e = max((estimate_memory(model, degrees=d, activation_checkpointing=ac, rank=r, **kw)
+            e = max((estimate_layout_memory(model, d, activation_checkpointing=ac, rank=r, **kw)
                      for r in _stage_heads(d)), key=lambda e: e.total)
             out.append((e, step_time(shp, d, precision, node, ac) if shp is not None else None))
     return out
@@ -410,11 +411,13 @@ def memory_explorer(model=7.5e9, # an `nn.Module`, a parameter count, or a `Tran
     def update(world_size, strategy, precision, optimizer, micro_batch, activation_checkpointing, offload):
         acts = None
         if batch is not None:
-            if precision not in traces: traces[precision] = trace_activations(model, batch, loss_fn, precision)
+            if precision not in traces:
+                traces[precision] = trace_activations(model, batch, loss_fn, precision=precision)
             acts = traces[precision]
         shp = replace(shape, batch=micro_batch) if shape is not None else None
-        try: return estimate_memory(model, strategy, world_size, optimizer, precision, shape=shp, activations=acts,
-                                    activation_checkpointing=activation_checkpointing, offload=offload)
+        try: return estimate_memory(model, strategy, world_size, optimizer=optimizer, precision=precision, shape=shp,
+                                    activations=acts, activation_checkpointing=activation_checkpointing,
+                                    offload=offload)
         except ValueError as e: return _Message(str(e))
     sizes = sorted(set([2 ** i for i in range(13)] + [world_size]))
     mb = (W.IntSlider(value=shape.batch, min=1, max=max(64, shape.batch), description='micro-batch') if shape
