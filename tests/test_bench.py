@@ -140,7 +140,8 @@ def test_scaling_with_ddp_on_local_ranks():
     assert two['grad_bytes'] == grad and two['busbw'] > 0
     assert 0 <= two['overlap'] <= 1 and two['latency'] > 0 and two['compute_ms'] > 0, two
     assert two['predicted_ms'] == pytest.approx(predict_sync_seconds(  # the step-time model's exposed sync
-        'ddp', grad, 2, two['busbw'], two['compute_ms'] / 1e3, two['overlap'], two['latency']) * 1e3)
+        'ddp', grad, 2, two['busbw'], compute=two['compute_ms'] / 1e3, overlap=two['overlap'],
+        latency=two['latency']) * 1e3)
     assert two['predicted_ms'] <= predict_sync_seconds('ddp', grad, 2, two['busbw'], latency=two['latency']) * 1e3
     assert two['samples_s'] == pytest.approx(32 / (two['step_ms'] / 1e3))
     assert two['efficiency'] == pytest.approx(100 * two['samples_s'] / (2 * one['samples_s']))

@@ -19,7 +19,7 @@ RUN = json.loads((ROOT / H200_FILE).read_text())
 def _trace(g, optimizer, loss_fn=None):
     "The meta trace of one bf16 step of gpu_bench's GPT config `g`"
     with torch.device('meta'): model, x = GPT(g['L'], g['h'], g['a']), torch.randn(g['s'], g['b'], g['h'])
-    return trace_step(model, x, loss_fn, optimizer, RUN['config']['amp'])
+    return trace_step(model, x, loss_fn, optimizer=optimizer, amp=RUN['config']['amp'])
 
 
 def test_h200_two_layer_gpt_from_its_curves_within_10_percent():

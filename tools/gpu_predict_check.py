@@ -41,7 +41,7 @@ def trace(g, optimizer, loss, amp, policy):
     from dtnb.core.models import GPT
     with torch.device('meta'): model, x = GPT(g['L'], g['h'], g['a']), torch.randn(g['s'], g['b'], g['h'])
     fn = (lambda out, y: out.float().pow(2).mean()) if loss == 'pow' else None
-    return trace_step(model, x, fn, optimizer, amp, policy=policy)
+    return trace_step(model, x, fn, optimizer=optimizer, amp=amp, policy=policy)
 
 
 def this_device(device):

@@ -158,6 +158,7 @@ def _check_args(ops, sizes, nprocs, dtype):
 
 def bench_collectives(ops:list|None=None,   # some of COLLECTIVES (default: all)
                       sizes:list|None=None, # bytes (default: 8 B to 1 MiB, to 64 MiB when not quick; x2 steps)
+                      *,
                       nprocs:int=2, dtype:str='fp32', iters:int=20, warmup:int=5, quick:bool=False,
                       timeout:float|None=300, progress:bool=True) -> BenchResult:
     "Time, algbw, busbw and #wrong of each collective over `nprocs` local ranks, as nccl-tests reports them"

@@ -52,6 +52,7 @@ def _check_clock(clock, device):
 # %% ../../nbs/07_bench.compute.ipynb #0c31b57f
 def time_fn(fn,                # called as `fn(i)` with the call index `i` (use it to rotate inputs)
             device=None,       # the device `fn` runs on (default: this process's accelerator, else the CPU)
+            *,
             repeats:int=10,    # measurements to return
             warmup:int=3,      # calls before measuring, not timed
             number:int|None=1, # calls per measurement; None picks enough to last `min_time`
@@ -264,7 +265,7 @@ def _sweep(name, shapes, cache, device, info, repeats, warmup, clock, progress, 
     with _precision(name):
         for m, n, k in progress_bar(shapes, progress, desc=f"matmul {name}"):
             fn, span = _matmul_case(name, m, n, k, pool, cache)
-            seconds[f"{name} {m}x{n}x{k}"] = times = time_fn(fn, device, repeats, warmup, clock=clock)
+            seconds[f"{name} {m}x{n}x{k}"] = times = time_fn(fn, device, repeats=repeats, warmup=warmup, clock=clock)
             rows.append(_matmul_row(name, m, n, k, times, span, info, device))
     return rows
 
@@ -283,6 +284,7 @@ def _matmul_summary(rows, dtypes, info, device):
 
 def bench_matmul(dtypes:list|None=None,  # 'fp64', 'fp32', 'tf32', 'bf16', 'fp16', 'fp8'; default: the fast ones
                  sizes:list|None=None,   # ints (square) or (m, n, k) triples; default: a sweep for the device
+                 *,
                  device=None, repeats:int=10, warmup:int=3,
                  threads:int|None=None,  # CPU torch threads while measuring (default: as set)
                  clock:str='wall',       # CPU only: 'wall', or 'thread' CPU time (needs threads=1)
@@ -354,6 +356,7 @@ def _transfer_cases(n, device):
 
 # %% ../../nbs/07_bench.compute.ipynb #ede96190
 def bench_memory(device=None,
+                 *,
                  nbytes:int|None=None,    # bytes per copy buffer (default: 4x the cache, >= 256 MiB; 2x when quick)
                  transfer_bytes:int|None=None,  # bytes per host<->device copy (default 256 MiB, 64 MiB when quick)
                  repeats:int=10, warmup:int=2, threads:int|None=None, quick:bool=False,
@@ -368,13 +371,14 @@ def bench_memory(device=None,
         src_t = torch.ones(-(-nbytes // 4), device=device); dst = torch.empty_like(src_t)  # rounded up
         name = 'host memory copy' if device.type == 'cpu' else 'device memory copy'
         nbytes = src_t.nbytes
-        rows.append(_mem_row(name, nbytes, 2 * nbytes, time_fn(lambda i: dst.copy_(src_t), device, repeats, warmup)))
+        rows.append(_mem_row(name, nbytes, 2 * nbytes, time_fn(lambda i: dst.copy_(src_t), device, repeats=repeats,
+                                                                       warmup=warmup)))
         rows[0]['pct_peak'] = 100 * rows[0]['gbs'] / (peak * 1e3) if peak else 'unknown'
         del src_t, dst
         if device.type != 'cpu':
             n = transfer_bytes or (64 if quick else 256) * 2**20
             for test, fn in progress_bar(_transfer_cases(n, device), progress, desc='transfers', total=4):
-                rows.append(_mem_row(test, n, n, time_fn(fn, device, repeats, warmup)))
+                rows.append(_mem_row(test, n, n, time_fn(fn, device, repeats=repeats, warmup=warmup)))
     summary = {r['test'] + ' GB/s': r['gbs'] for r in rows}
     summary['spec memory bandwidth GB/s'] = peak * 1e3 if peak else 'unknown'
     cols = [('test', 'test'), ('MiB', 'mib'), ('median ms', 'ms'), ('GB/s', 'gbs'), ('best GB/s', 'best_gbs'),

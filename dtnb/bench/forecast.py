@@ -27,7 +27,7 @@ __all__ = ['EFFICIENCY', 'EFFICIENCY_SOURCE', 'PRICES', 'step_collectives', 'bus
 # %% ../../nbs/07d_bench.forecast.ipynb #ed426259
 def step_collectives(strategy:str, # 'single', 'ddp', 'zero1', 'zero2', 'zero3', 'tp' or 'pipeline'
                      params:int, n:int, # parameters; ranks (the tensor-parallel group for 'tp')
-                     grad_bytes:int=4, param_bytes:int|None=None, # bytes per gradient / gathered parameter
+                     grad_bytes:int=4, *, param_bytes:int|None=None, # bytes per gradient / gathered parameter
                      shape:TransformerShape|None=None, act_bytes:int=2, # for 'tp': the layers and activations
                     ) -> list[tuple[str, int]]:
     "The collectives one training step runs on each rank: (op, size in bytes as nccl-tests counts it)"
@@ -49,6 +49,7 @@ def bus_bytes(collectives:list, n:int) -> float:
 # %% ../../nbs/07d_bench.forecast.ipynb #404b3042
 def flops_per_sample(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
                      batch=None, # with a model: one device's batch, counted by `step_flops`
+                     *,
                      activation_checkpointing:bool=False, loss_fn=None,
                      step_fn=None, keys=None) -> tuple[float, int, str]: # a batch's loss, as in `fit` (`BatchLoss`)
     "(training FLOPs of one sample, samples in one device's micro-batch, how they were counted)"
@@ -151,13 +152,14 @@ def _step(t, e, fps, mb, shape, eff, microbatches):
         compute = m * flops / p / peak
         f = bubble_fraction(p, m)
         act = m * shape.seq_len * shape.batch * shape.hidden * ab if shape else 0  # on and back at once (both ways)
-        sends = pipeline_sends(p, m, compute, act / m, Node(inter=t.busbw * 1e9),  # in 1F1B's order, on the link
-                               e.activation_checkpointing)
+        sends = pipeline_sends(p, m, compute, act / m, node=Node(inter=t.busbw * 1e9),  # in 1F1B's order, on the link
+                               activation_checkpointing=e.activation_checkpointing)
         return compute, sends, compute * f / (1 - f), off, m * mb
-    comm = bus_bytes(step_collectives(e.strategy, e.params, n, gb, pb), n) / (t.busbw * 1e9)
+    comm = bus_bytes(step_collectives(e.strategy, e.params, n, gb, param_bytes=pb), n) / (t.busbw * 1e9)
     calls = 3 * (shape.layers + 1) if shape and e.strategy == 'zero3' else ddp_buckets(e.params * gb)
     last = last_bucket(e.params * gb) if e.strategy == 'ddp' else None
-    exposed = dp_exposed(comm, calls, e.strategy == 'zero3', flops / peak, 1.0, e.activation_checkpointing, last)
+    exposed = dp_exposed(comm, calls, e.strategy == 'zero3', flops / peak, overlap=1.0,
+                         activation_checkpointing=e.activation_checkpointing, last=last)
     return flops / peak, exposed, 0.0, off, n * mb
 
 # %% ../../nbs/07d_bench.forecast.ipynb #01d25cfd
@@ -182,7 +184,7 @@ def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, los
         if strategy: row |= dict(plan=strategy, reason=f"{strategy} does not fit in {fmt_bytes(plan.budget)}")
         return row | dict(fits=False)
     e = plan.estimates[chosen]; row['plan'] = e.label
-    fps, mb, _ = flops_per_sample(model, batch, e.activation_checkpointing, loss_fn)
+    fps, mb, _ = flops_per_sample(model, batch, activation_checkpointing=e.activation_checkpointing, loss_fn=loss_fn)
     parts = _step(t, e, fps, mb, shape, eff, microbatches)
     op = _op_compute(t, e, model, batch, optimizer, loss_fn) if ops else None
     if op is not None: parts, row['compute_model'] = (op.total, *parts[1:]), op.source
@@ -191,7 +193,7 @@ def _row(t, model, batch, shape, work, eff, prices, optimizer, microbatches, los
 def _op_compute(t, e, model, batch, optimizer, loss_fn):
     "The operator-level step (`op_compute`) for target `t` where its device has measured curves, else None"
     if not hasattr(model, 'parameters') or e.strategy == 'pipeline' or e.activation_checkpointing: return None
-    return op_compute(model, batch, t.spec, t.dtype, optimizer, loss_fn)
+    return op_compute(model, batch, t.spec, dtype=t.dtype, optimizer=optimizer, loss_fn=loss_fn)
 
 def _usd_hour(prices, t) -> float|None:
     "USD per hour of target `t`'s devices, None where there is no price"
@@ -224,7 +226,7 @@ def _layout_row(t, shape, work, eff, prices, optimizer):
                degrees=plan.degrees and plan.degrees.to_dict())
     if plan.chosen is None: return row | dict(fits=False)
     e = plan.estimates[plan.chosen]
-    p = step_parts(shape, e.degrees, prec, node, e.activation_checkpointing)
+    p = step_parts(shape, e.degrees, prec, node, activation_checkpointing=e.activation_checkpointing)
     comm = p['tp'] + p['sp'] + p['dp'] + p['pp']
     return _finish(row, e, p['compute'], comm, p['bubble'], 0.0, shape.batch * t.count, work)
 
@@ -307,6 +309,7 @@ class Prediction:
 # %% ../../nbs/07d_bench.forecast.ipynb #d1cadaac
 def predict(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
             batch=None, # a model's example batch per device; with a parameter count, tokens per device per step
+            *,
             samples:float|None=None, # samples (sequences) the run processes; or give tokens
             tokens:float|None=None, # tokens the run processes (a TransformerShape, or a parameter count)
             targets=('H100x8', 'A100x8', 'V100x4'), # `Target`s or strings like 'H100x8', 'A100x4:tf32'

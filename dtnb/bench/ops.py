@@ -161,6 +161,7 @@ class StepTrace:
 
 def trace_step(model, batch, # an `nn.Module`; (inputs, targets), a tensor of inputs or a dict (`core.batches`)
                loss_fn=None, # loss_fn(output, targets); default: the model's .loss, else `default_loss`
+               *,
                optimizer=None, # None (forward and backward only), 'sgd', 'adam', 'adamw', a class or an optimizer
                amp:str|None=None, # 'bf16' or 'fp16' autocast
                device='meta', # where the trace runs: 'meta' needs no memory and no time
@@ -281,7 +282,7 @@ def fit_memory_fraction(curves:Curves, trace:StepTrace, seconds:float) -> float:
 def _step_trace(g, amp):
     "The trace of gpu_bench's one-GPU DDP/FSDP step model `g` (a GPT config), built on meta"
     with torch.device('meta'): model, x = GPT(g['L'], g['h'], g['a']), torch.randn(g['s'], g['b'], g['h'])
-    return trace_step(model, x, lambda out, y: out.float().pow(2).mean(), 'adamw', amp)
+    return trace_step(model, x, lambda out, y: out.float().pow(2).mean(), optimizer='adamw', amp=amp)
 
 def load_curves(path) -> Curves:
     "The `Curves` of the device a `benchmarks/gpu_bench.py` run measured, from its gpu_bench.json"
@@ -352,12 +353,14 @@ def per_op_cost(repeats:int=15) -> float:
 
 # %% ../../nbs/07c_bench.ops.ipynb #fcafe256
 def op_compute(model, batch, device, # a model and one device's batch; a device name or `DeviceSpec`
+               *,
                dtype:str='bf16', # the format it trains in: 'bf16'/'fp16' (autocast), 'tf32' or 'fp32'
                optimizer='adamw', loss_fn=None,
                step_fn=None, keys=None) -> OpTimes|None: # how a batch becomes a loss, as in `fit` (`BatchLoss`)
     "The op model's step of `model` on `batch` for `device`, from its measured curves; None where it has none"
     c = CURVES.get(device_spec(device).name)
     if c is None or not hasattr(model, 'parameters'): return None
-    t = trace_step(model, batch, loss_fn, optimizer, dtype if dtype in AMP else None, step_fn=step_fn, keys=keys)
+    t = trace_step(model, batch, loss_fn, optimizer=optimizer, amp=dtype if dtype in AMP else None,
+                   step_fn=step_fn, keys=keys)
     t.tf32 = dtype == 'tf32'
     return op_seconds(t, c)

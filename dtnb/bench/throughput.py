@@ -48,6 +48,7 @@ def _train_step(model, opt, loss_fn, x, y, amp, device):
 
 # %% ../../nbs/07b_bench.throughput.ipynb #6b615d17
 def step_flops(model, batch, loss_fn=None,
+               *,
                amp:str|None=None,  # autocast dtype: 'bf16' or 'fp16'
                step_fn=None, keys=None) -> int:  # how a batch becomes a loss, as in `fit` (`BatchLoss`)
     "FLOPs of one training step of `model` on `batch`, forward and backward, counted by `torch.utils.flop_counter`"
@@ -106,6 +107,7 @@ def _model_summary(bs, tps, st, flops, name, info, measured, device):
 # %% ../../nbs/07b_bench.throughput.ipynb #d0e0a18c
 def bench_model(model, batch,                  # (inputs, targets), a tensor of inputs or a dict (`core.batches`)
                 loss_fn=None,                  # loss_fn(output, targets); default: the model's .loss, `default_loss`
+                *,
                 optimizer=None,                # default SGD(lr=1e-4)
                 steps:int=20, warmup:int=3,
                 amp:str|None=None,             # autocast dtype: 'bf16' or 'fp16' (None: no autocast)
@@ -120,8 +122,9 @@ def bench_model(model, batch,                  # (inputs, targets), a tensor of 
     x = batch_inputs(model, batch, how)
     opt = optimizer or torch.optim.SGD(model.parameters(), lr=1e-4)
     name = _compute_dtype(model, amp, device)
-    flops = step_flops(model, batch, how, amp)
-    times = time_fn(lambda i: _batch_step(model, opt, how, batch, amp, device), device, steps, warmup)
+    flops = step_flops(model, batch, how, amp=amp)
+    times = time_fn(lambda i: _batch_step(model, opt, how, batch, amp, device), device, repeats=steps,
+                    warmup=warmup)
     st, peak = summarize_times(times), _measured_peak(matmul_peak, name, device)
     summary = _model_summary(x.shape[0], _tokens_per_sample(x, tokens), st, flops, name, info, peak, device)
     rows = [dict(stat=k, ms=st[k] * 1e3) for k in ('min', 'p10', 'median', 'mean', 'p90', 'max')]
@@ -139,6 +142,7 @@ BenchResult.plots['model'] = _plot_model
 
 # %% ../../nbs/07b_bench.throughput.ipynb #9bd20db2
 def predict_sync_seconds(strategy:str, nbytes:float, n:int, busbw_gbs:float,
+                         *,
                          compute:float=0.0, overlap:float=1.0, latency:float=0.0, # seconds it hides behind; share
                         ) -> float:
     "Gradient-sync seconds a step waits for: DDP 2(n-1)/n, FSDP 3(n-1)/n x bytes / busbw, less what `compute` hides"
@@ -148,7 +152,7 @@ def predict_sync_seconds(strategy:str, nbytes:float, n:int, busbw_gbs:float,
     calls = ddp_buckets(nbytes)  # FSDP: its units are not known here; as many calls as DDP's buckets
     total = {'ddp': 2, 'fsdp': 3}[strategy] * (n - 1) / n * nbytes / (busbw_gbs * 1e9) + calls * latency
     last = last_bucket(nbytes) if strategy == 'ddp' else None  # DDP's last bucket: what the backward fills last
-    return dp_exposed(total, calls, strategy == 'fsdp', compute, overlap, last=last)
+    return dp_exposed(total, calls, strategy == 'fsdp', compute, overlap=overlap, last=last)
 
 # %% ../../nbs/07b_bench.throughput.ipynb #92f4cc39
 def scaling_rank(model_fn, batch, strategy:str='ddp', steps:int=10, warmup:int=3, loss_fn=None, amp=None,
@@ -165,13 +169,13 @@ def scaling_rank(model_fn, batch, strategy:str='ddp', steps:int=10, warmup:int=3
     how, batch = BatchLoss.of(loss_fn, step_fn, keys), to_device(batch, device)
     opt, x = torch.optim.SGD(model.parameters(), lr=1e-4), batch_inputs(model, batch, how)
     step = lambda i: _batch_step(model, opt, how, batch, amp, device)
-    synced, local, link = statistics.median(time_fn(step, device, steps, warmup)), None, {}
+    synced, local, link = statistics.median(time_fn(step, device, repeats=steps, warmup=warmup)), None, {}
     if n > 1 and strategy == 'ddp':
-        with model.no_sync(): local = statistics.median(time_fn(step, device, steps, warmup))
+        with model.no_sync(): local = statistics.median(time_fn(step, device, repeats=steps, warmup=warmup))
     if n > 1:  # what the sync model needs of the link: a tiny all-reduce's time, the overlap at the gradients' size
         import torch.distributed as dist
         tiny = torch.zeros(1, device=device)
-        link = dict(latency=statistics.median(time_fn(lambda i: dist.all_reduce(tiny), device, 20, 3)),
+        link = dict(latency=statistics.median(time_fn(lambda i: dist.all_reduce(tiny), device, repeats=20, warmup=3)),
                     overlap=overlap_share(grad_bytes)['share'])
     del model, opt, step; gc.collect()
     return dict(step_s=synced, local_step_s=local, samples=x.shape[0], grad_bytes=grad_bytes, **link)
@@ -201,8 +205,8 @@ def _sync_ms(strategy, res, n, bw, local):
     "The sync a step waits for, predicted from busbw, the latency and overlap measured in the ranks, its compute"
     if not bw: return None
     mean = lambda k: statistics.fmean(r[k] for r in res)
-    return predict_sync_seconds(strategy, res[0]['grad_bytes'], n, bw, max(local) if local else 0.0,
-                                mean('overlap'), mean('latency')) * 1e3
+    return predict_sync_seconds(strategy, res[0]['grad_bytes'], n, bw, compute=max(local) if local else 0.0,
+                                overlap=mean('overlap'), latency=mean('latency')) * 1e3
 
 _SCALE_COLS = [('ranks', 'ranks'), ('samples/s', 'samples_s'), ('speed-up', 'speedup'), ('efficiency %', 'efficiency'),
                ('step ms', 'step_ms'), ('sync overhead ms (vs no_sync)', 'overhead_ms'),
@@ -217,7 +221,7 @@ def _scaling_summary(strategy, last):
 
 def bench_scaling(model_fn,    # builds a fresh model in each rank (a function importable or defined before launch)
                   batch,       # one rank's batch: (inputs, targets), a tensor of inputs or a dict (`core.batches`)
-                  nprocs=(1, 2), strategy:str='ddp', steps:int=10, warmup:int=3, loss_fn=None,
+                  nprocs=(1, 2), *, strategy:str='ddp', steps:int=10, warmup:int=3, loss_fn=None,
                   amp:str|None=None,           # autocast dtype: 'bf16' or 'fp16'
                   busbw:float|dict|None=None,  # all-reduce GB/s ({nprocs: GB/s} or one number); None measures it
                   timeout:float|None=600, progress:bool=True,

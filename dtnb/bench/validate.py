@@ -406,6 +406,7 @@ def assemble(shape:TransformerShape, n:int, names:list, one:dict, ranks:list) ->
 def validate(shape:TransformerShape|None=None, # the model to predict and run; default 4 layers, hidden 128
              ranks=(1, 2),          # the rank counts to run, each on this machine's CPU cores
              layouts:dict|None=None, # {ranks: [layout names]}; default `DEFAULT_LAYOUTS`
+             *,
              steps:int=8, seconds:float=4.0, # measured steps per figure; seconds each sampled collective is timed
              link:str='loopback (one host)', # says how the ranks are connected, in the result
              timeout:float=900) -> Validation:

@@ -180,6 +180,7 @@ def gather_step_profiles(profile:StepProfile, group=None) -> RankStepProfiles:
 def input_bound(train_step,                   # train_step(batch): forward, backward and optimizer step on one batch
                 loader,                       # a DataLoader (or any iterable of batches)
                 n_steps:int=20,               # steps in the verdict
+                *,
                 warmup:int|None=None,         # steps left out; default max(2, num_workers × prefetch_factor)
                 device=None,                  # default: this process's accelerator, else the CPU
                 threshold:float=0.1,          # waiting this fraction of the step or more is input-bound

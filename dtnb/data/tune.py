@@ -309,6 +309,7 @@ def _toy_step(shape, n_classes=10, device=None):
 # %% ../../nbs/06c_data.tune.ipynb #81355832
 def loader_report(dataset=None,             # default: the CPU-bound synthetic set (2 ms per sample)
                   batch_size:int=32,
+                  *,
                   train_step=None,          # train_step(batch) on the device; default: a small MLP (synthetic sets)
                   n_steps:int|None=None,    # steps per verdict; default 30 (10 when quick)
                   quick:bool=False,         # short trials (0.3 s) and verdicts: seconds instead of a minute

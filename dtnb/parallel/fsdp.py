@@ -227,6 +227,7 @@ def _materialize(model, device, init):
 # %% ../../nbs/03a_parallel.fsdp.ipynb #013f42ad
 def apply_fsdp(model:nn.Module,
                layer_cls=None,                # block class(es) or name(s) to shard as units; default: `find_blocks`
+               *,
                mesh=None,                     # DeviceMesh, or (replicate, shard) for hybrid sharding (HSDP)
                param_dtype=None,              # dtype blocks compute in (e.g. 'bf16'); the sharded master copy stays
                reduce_dtype=None,             # dtype of the gradient reduce-scatter; float32 when param_dtype is set

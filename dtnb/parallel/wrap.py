@@ -30,6 +30,7 @@ OFFLOADABLE = ('zero3', 'fsdp')  # FSDP2's CPUOffloadPolicy offloads parameters,
 SHARDED = ('zero2', 'zero3', 'fsdp')  # strategies whose units are blocks
 
 def wrap(model:nn.Module, strategy:str='ddp',
+         *,
          activation_checkpointing:bool=False,  # recompute each block's activations in the backward
          offload:bool=False,   # keep model states in host memory ('zero3'/'fsdp')
          layer_cls=None,       # the block class(es) or name(s): FSDP's units, what recomputes; default: found

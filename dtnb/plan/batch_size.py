@@ -164,6 +164,7 @@ def find_batch_size(model,                  # the nn.Module to train (not change
                     sample,                 # example batch (first row used: tensor, (x, y), dict) or a per-sample shape
                     strategy:str='single',  # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp')
                     world_size:int=1,       # devices the model is trained on
+                    *,
                     optimizer:str='adamw',
                     precision:str=DEFAULT_PRECISION,   # 'fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true'
                     loss_fn=None,           # loss_fn(output, target); default: as `fit`, without targets the sum

@@ -185,6 +185,7 @@ def measure_memory(model, # the `nn.Module` to train one step (a copy is trained
                    batch, # example batch per device: (inputs, targets), inputs alone or a dict (`core.batches`)
                    strategy:str='single', # 'single', 'ddp', 'zero1', 'zero2', 'zero3' ('fsdp') or 'pipeline'
                    world_size:int=1, # ranks to launch (1: in this process)
+                   *,
                    optimizer:str='adamw',
                    precision:str=DEFAULT_PRECISION, # 'fp32', 'bf16-mixed', 'fp16-mixed' (autocast) or 'bf16-true'
                    loss_fn=None, # `loss_fn(output, target)`; default: the model's `.loss`, else as `fit`, else the sum

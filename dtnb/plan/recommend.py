@@ -149,6 +149,7 @@ def _reason(plan_opts, single, chosen, budget, ws):
 
 def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
               batch=None, # example batch per device, traced for the activations (with a model)
+              *,
               report=None, # a `DeviceReport`; default: `detect()`
               world_size:int|None=None, # devices to plan for; default: the report's accelerators, else 1
               optimizer:str='adamw',
@@ -268,7 +269,7 @@ def on_link(nbytes:float, calls:int, rate:float, burst:float=0.0, gap:float=0.0)
     credit = min(burst, rate * gap) if burst and gap > 0 else 0.0  # what the bucket holds again when each starts
     return max(1, calls) * max(0.0, nbytes / max(1, calls) - credit) / rate
 
-def pipeline_sends(pp:int, microbatches:int, compute:float, nbytes:float, node:Node,
+def pipeline_sends(pp:int, microbatches:int, compute:float, nbytes:float, *, node:Node,
                    activation_checkpointing:bool=False) -> float:
     "Seconds 1F1B's sends of `nbytes` a micro-batch add to a step of `compute`: `simulate_schedule` on `node`'s link"
     m = microbatches
@@ -279,6 +280,7 @@ def pipeline_sends(pp:int, microbatches:int, compute:float, nbytes:float, node:N
     return max(0.0, with_sends - simulate_schedule(order, slots=slots).span)
 
 def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISION, node:Node=Node(),
+               *,
                activation_checkpointing:bool=False,
                reshard:bool=True, # FSDP gathers the parameters again for the backward (False: ZeRO-2 keeps them)
               ) -> dict:
@@ -306,15 +308,16 @@ def step_parts(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISIO
           wire(bus(rep, g / fs), n['dp'] - fsdp, link(d.tp * fs * rep)))  # replicas (DDP, HSDP): all-reduce the shards
     ddp = not (d.tp_enabled or d.pp_enabled or d.dp_shard_enabled)  # DDP's buckets (else one all-reduce a unit)
     dp = dp_exposed(dp + n['dp'] * node.latency + fsdp * node.call, n['dp'], d.dp_shard_enabled, compute,
-                    node.overlap if node.streams or not d.dp_shard_enabled else 0.0, activation_checkpointing,
-                    last_bucket(g) if ddp else None)
+                    overlap=node.overlap if node.streams or not d.dp_shard_enabled else 0.0,
+                    activation_checkpointing=activation_checkpointing, last=last_bucket(g) if ddp else None)
     per = node.latency + node.call  # tp's and sp's collectives come from DTensor and Ulysses, in Python too
-    pp = pipeline_sends(d.pp, m, compute, tok / m * h * p.activations, node, activation_checkpointing) \
+    pp = pipeline_sends(d.pp, m, compute, tok / m * h * p.activations, node=node,
+                        activation_checkpointing=activation_checkpointing) \
         if d.pp_enabled else 0.0  # activations on, gradients back, behind the other micro-batches' compute
     return dict(compute=compute, bubble=bubble, tp=tp + n['tp'] * (per + node.dispatch), sp=sp + n['sp'] * per,
                 dp=dp, pp=pp)
 
-def dp_exposed(seconds:float, calls:int, sharded:bool, compute:float, overlap:float=1.0,
+def dp_exposed(seconds:float, calls:int, sharded:bool, compute:float, *, overlap:float=1.0,
                activation_checkpointing:bool=False,
                last:float|None=None, # the share of the bytes the backward hands over last (default: 1 / calls)
               ) -> float:
@@ -346,9 +349,11 @@ def ddp_buckets(grad_bytes:float) -> int:
     return 1 + -(-max(0, grad_bytes - 2**20) // (25 * 2**20))
 
 def step_time(shape:TransformerShape, d:Degrees, precision:str=DEFAULT_PRECISION, node:Node=Node(),
+              *,
               activation_checkpointing:bool=False, reshard:bool=True) -> float:
     "Predicted seconds of one step of `shape` under layout `d`: the sum of its `step_parts`"
-    return sum(step_parts(shape, d, precision, node, activation_checkpointing, reshard).values())
+    return sum(step_parts(shape, d, precision, node, activation_checkpointing=activation_checkpointing,
+                          reshard=reshard).values())
 
 def colwise_per_layer(model:nn.Module) -> int:
     "Linears of a block of `model` that tp splits by columns (`TransformerShape.colwise`): fused q, k, v count once"
@@ -368,7 +373,8 @@ def _layout_options(model, batch, ws, optimizer, precision, loss_fn, shape, unit
         for ac in acs:
             e = max((estimate_layout_memory(model, d, activation_checkpointing=ac, rank=r, **kw)
                      for r in _stage_heads(d)), key=lambda e: e.total)
-            out.append((e, step_time(shp, d, precision, node, ac) if shp is not None else None))
+            out.append((e, step_time(shp, d, precision, node, activation_checkpointing=ac) if shp is not None
+                        else None))
     return out
 
 def _stage_heads(d):
@@ -396,6 +402,7 @@ class _Message(str):
     def _repr_markdown_(self): return f"*{self}*"
 
 def memory_explorer(model=7.5e9, # an `nn.Module`, a parameter count, or a `TransformerShape`
+                    *,
                     shape:TransformerShape|None=None, # transformer shapes: adds a micro-batch slider
                     batch=None, # example batch to trace (with a model)
                     loss_fn=None, world_size:int=8, strategy:str='ddp', optimizer:str='adamw',

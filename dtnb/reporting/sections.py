@@ -341,6 +341,7 @@ def _run_section(name, fn, **kw):
 _log = get_logger('dtnb.reporting.sections')
 
 def report(out:str|Path|None=None,  # folder for report.md, report.html, results.json and plots
+           *,
            quick:bool=False,          # small sizes: about a minute on 2 CPU cores
            model=None,                # 'module:factory' building your model (default: dtnb's example)
            input_shape:tuple|None=None, # one sample's input shape: random inputs, targets from the model's output
