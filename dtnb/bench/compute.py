@@ -270,18 +270,6 @@ def _sweep(name, shapes, cache, device, info, repeats, warmup, clock, progress, 
     return rows
 
 # %% ../../nbs/07_bench.compute.ipynb #5f5101fe
-def _matmul_summary(rows, dtypes, info, device):
-    unit, _ = throughput_unit(device)
-    out = {}
-    for name in dtypes:
-        best = max((r for r in rows if r['dtype'] == name), key=lambda r: r['tflops'])
-        peak = info.peak_tflops.get(name)
-        out[f"{name} max achievable {unit}"] = best['value']
-        out[f"{name} best shape (m x n x k)"] = best['shape']
-        out[f"{name} spec peak TFLOPS"] = peak if peak else 'unknown'
-        out[f"{name} % of spec peak"] = best['pct_peak']
-    return out
-
 def bench_matmul(dtypes:list|None=None,  # 'fp64', 'fp32', 'tf32', 'bf16', 'fp16', 'fp8'; default: the fast ones
                  sizes:list|None=None,   # ints (square) or (m, n, k) triples; default: a sweep for the device
                  *,
@@ -306,6 +294,18 @@ def bench_matmul(dtypes:list|None=None,  # 'fp64', 'fp32', 'tf32', 'bf16', 'fp16
                threads=nthreads if device.type == 'cpu' else None, peak_source=info.peak_source)
     summary = _matmul_summary(rows, dtypes, info, device)
     return BenchResult.create('matmul', rows, cols, summary, device, cfg, dict(seconds=seconds), report)
+
+def _matmul_summary(rows, dtypes, info, device):
+    unit, _ = throughput_unit(device)
+    out = {}
+    for name in dtypes:
+        best = max((r for r in rows if r['dtype'] == name), key=lambda r: r['tflops'])
+        peak = info.peak_tflops.get(name)
+        out[f"{name} max achievable {unit}"] = best['value']
+        out[f"{name} best shape (m x n x k)"] = best['shape']
+        out[f"{name} spec peak TFLOPS"] = peak if peak else 'unknown'
+        out[f"{name} % of spec peak"] = best['pct_peak']
+    return out
 
 # %% ../../nbs/07_bench.compute.ipynb #ce333cbe
 def _plot_matmul(r, ax):

@@ -303,6 +303,22 @@ def load_curves(path) -> Curves:
     return c
 
 # %% ../../nbs/07c_bench.ops.ipynb #ba3450fe
+def sample_ops(trace:StepTrace, device='cpu', # where to replay the ops
+               repeats:int=5, # timings per distinct op (each of enough calls to last 0.2 ms)
+               per_op:float=0.0, # seconds each op costs besides itself in a step (Python, autograd): 'overhead'
+              ) -> OpTimes:
+    "Each distinct op of `trace` replayed on `device` with random tensors and timed: the step as the sum of its ops"
+    device, seen, out = torch.device(device), {}, []
+    for op in trace.ops:
+        if op.kind == 'free': continue
+        if op.key() not in seen: seen[op.key()] = _time_op(op, device, repeats)
+        out.append((op, seen[op.key()] or 0.0))
+    failed = sorted({op.name for op, _ in out if seen[op.key()] is None})
+    t = _times(out, f"sampled on {device}: {len(seen)} distinct ops of {len(out)}, median of {repeats}"
+                    + (f"; not replayed (counted 0): {', '.join(failed)}" if failed else ''))
+    if per_op: t.parts['overhead'] = per_op * len(out)
+    return t
+
 def _materialize(x, device):
     "A tensor of `TensorSpec` x on `device`: random floats, zeros for integers and booleans; other arguments as given"
     if isinstance(x, torch.device): return device
@@ -320,29 +336,7 @@ def _time_op(op, device, repeats):
     except (RuntimeError, ValueError, TypeError, IndexError): return None
     return statistics.median(ts)
 
-def sample_ops(trace:StepTrace, device='cpu', # where to replay the ops
-               repeats:int=5, # timings per distinct op (each of enough calls to last 0.2 ms)
-               per_op:float=0.0, # seconds each op costs besides itself in a step (Python, autograd): 'overhead'
-              ) -> OpTimes:
-    "Each distinct op of `trace` replayed on `device` with random tensors and timed: the step as the sum of its ops"
-    device, seen, out = torch.device(device), {}, []
-    for op in trace.ops:
-        if op.kind == 'free': continue
-        if op.key() not in seen: seen[op.key()] = _time_op(op, device, repeats)
-        out.append((op, seen[op.key()] or 0.0))
-    failed = sorted({op.name for op, _ in out if seen[op.key()] is None})
-    t = _times(out, f"sampled on {device}: {len(seen)} distinct ops of {len(out)}, median of {repeats}"
-                    + (f"; not replayed (counted 0): {', '.join(failed)}" if failed else ''))
-    if per_op: t.parts['overhead'] = per_op * len(out)
-    return t
-
 # %% ../../nbs/07c_bench.ops.ipynb #d377c744
-def _sgd_step(model, x):
-    "One SGD training step of `model` on `x` as `fn(i)` for `time_fn`"
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    def step(i): opt.zero_grad(set_to_none=True); default_loss(model(x), None).backward(); opt.step()
-    return step
-
 def per_op_cost(repeats:int=15) -> float:
     "Seconds a step on this CPU spends per op besides the ops (Python, autograd): a tiny GPT's step less its ops"
     torch.manual_seed(0)
@@ -350,6 +344,12 @@ def per_op_cost(repeats:int=15) -> float:
     ops = sample_ops(trace_step(model, x, optimizer='sgd', device='cpu'), 'cpu')
     step = statistics.median(time_fn(_sgd_step(model, x), 'cpu', repeats=repeats, warmup=2))
     return max(0.0, (step - ops.total) / sum(n for _, _, n, _ in ops.ops))
+
+def _sgd_step(model, x):
+    "One SGD training step of `model` on `x` as `fn(i)` for `time_fn`"
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    def step(i): opt.zero_grad(set_to_none=True); default_loss(model(x), None).backward(); opt.step()
+    return step
 
 # %% ../../nbs/07c_bench.ops.ipynb #fcafe256
 def op_compute(model, batch, device, # a model and one device's batch; a device name or `DeviceSpec`

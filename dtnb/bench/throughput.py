@@ -327,17 +327,6 @@ def _save(r, out):
     ax = r.plot(); ax.figure.tight_layout(); ax.figure.savefig(out / f"{r.kind}.png", dpi=120); plt.close(ax.figure)
 
 # %% ../../nbs/07b_bench.throughput.ipynb #2fb6904e
-def _runs(quick, progress, device, n, results):
-    "name -> a call running that benchmark the way `bench_all` does"
-    make, batch = _demo(device, quick)
-    peak = lambda: next((r for r in results if r.kind == 'matmul'), None)
-    ranks = sorted({1, 2, n} if n > 2 else {1, n})
-    return dict(matmul=lambda: bench_matmul(quick=quick, progress=progress),
-                memory=lambda: bench_memory(quick=quick, progress=progress),
-                collectives=lambda: bench_collectives(nprocs=n, quick=quick, progress=progress),
-                model=lambda: bench_model(make(), batch, matmul_peak=peak(), device=device),
-                scaling=lambda: bench_scaling(make, batch, nprocs=ranks, steps=5 if quick else 10, progress=progress))
-
 def bench_all(quick:bool=False, out=None, only=None, progress:bool=True, print_fn=print) -> list[BenchResult]:
     "Run the benchmarks that fit this machine, print each, and save JSON and a PNG plot of each in the folder `out`"
     only = list(only or BENCHMARKS)
@@ -352,3 +341,14 @@ def bench_all(quick:bool=False, out=None, only=None, progress:bool=True, print_f
         results.append(runs[name]()); print_fn(str(results[-1]) + '\n')
         if out is not None: _save(results[-1], out)
     return results
+
+def _runs(quick, progress, device, n, results):
+    "name -> a call running that benchmark the way `bench_all` does"
+    make, batch = _demo(device, quick)
+    peak = lambda: next((r for r in results if r.kind == 'matmul'), None)
+    ranks = sorted({1, 2, n} if n > 2 else {1, n})
+    return dict(matmul=lambda: bench_matmul(quick=quick, progress=progress),
+                memory=lambda: bench_memory(quick=quick, progress=progress),
+                collectives=lambda: bench_collectives(nprocs=n, quick=quick, progress=progress),
+                model=lambda: bench_model(make(), batch, matmul_peak=peak(), device=device),
+                scaling=lambda: bench_scaling(make, batch, nprocs=ranks, steps=5 if quick else 10, progress=progress))

@@ -60,12 +60,6 @@ def rank_sequences(shape:TransformerShape, d:Degrees) -> int:
     return shape.batch * d.tp * d.pp
 
 # %% ../../nbs/07e_bench.validate.ipynb #0b10dbae
-def _shard(block, h, t):
-    "`block`'s attention and MLP as one of `t` tensor-parallel ranks holds them: heads and hidden units split"
-    a = block.attn
-    a.q, a.k, a.v, a.o = nn.Linear(h, h // t), nn.Linear(h, h // t), nn.Linear(h, h // t), nn.Linear(h // t, h)
-    block.mlp.up, block.mlp.down = nn.Linear(h, 4 * h // t), nn.Linear(4 * h // t, h)
-
 def local_model(shape:TransformerShape, d:Degrees, stage:int=0) -> nn.Module:
     "What one rank computes, as plain modules: its shard of every block under tp, its stage's blocks under pp"
     if d.pp > 1:
@@ -77,6 +71,12 @@ def local_model(shape:TransformerShape, d:Degrees, stage:int=0) -> nn.Module:
     if d.tp > 1:
         for b in m.layers: _shard(b, shape.hidden, d.tp)
     return m
+
+def _shard(block, h, t):
+    "`block`'s attention and MLP as one of `t` tensor-parallel ranks holds them: heads and hidden units split"
+    a = block.attn
+    a.q, a.k, a.v, a.o = nn.Linear(h, h // t), nn.Linear(h, h // t), nn.Linear(h, h // t), nn.Linear(h // t, h)
+    block.mlp.up, block.mlp.down = nn.Linear(h, 4 * h // t), nn.Linear(4 * h // t, h)
 
 # %% ../../nbs/07e_bench.validate.ipynb #4e266990
 def _trimmed(ts:list) -> float:
@@ -123,11 +123,6 @@ def sample_compute(shape:TransformerShape, d:Degrees, steps:int=8, sync:bool=Fal
     return dict(forward=fwd, step=_trimmed(_times(_stepper(m, x, y), steps, sync=sync)))
 
 # %% ../../nbs/07e_bench.validate.ipynb #ed4fa15b
-def _apply(m, name:str, n:int):
-    "`m` under layout `name` on this group of `n` ranks"
-    if name == 'zero2': return wrap(m, 'zero2')
-    return parallelize(m, layout_degrees(name, n), F.mse_loss) if name != 'single' else m
-
 def sample_dispatch(shape:TransformerShape, steps:int=8) -> float:
     "Seconds DTensor's dispatch adds to a step of `shape`'s model, on a one-rank mesh (in a launched rank)"
     from torch.distributed.device_mesh import init_device_mesh
@@ -136,6 +131,11 @@ def sample_dispatch(shape:TransformerShape, steps:int=8) -> float:
     plain = _trimmed(_times(_stepper(shape_model(shape), x, y), steps))
     m = apply_tp(shape_model(shape), init_device_mesh('cpu', (1,)))
     return max(0.0, _trimmed(_times(_stepper(m, x, y), steps)) - plain)
+
+def _apply(m, name:str, n:int):
+    "`m` under layout `name` on this group of `n` ranks"
+    if name == 'zero2': return wrap(m, 'zero2')
+    return parallelize(m, layout_degrees(name, n), F.mse_loss) if name != 'single' else m
 
 # %% ../../nbs/07e_bench.validate.ipynb #9e859636
 class _Work(torch.autograd.Function):
@@ -376,6 +376,10 @@ class Validation:
         return f"**{self.headline()}**\n\n" + md_table(self._cols, self.table()) + '\n' * bool(notes) + notes
 
 # %% ../../nbs/07e_bench.validate.ipynb #ecc82fd8
+def assemble(shape:TransformerShape, n:int, names:list, one:dict, ranks:list) -> list:
+    "The rows of `n`-rank layouts `names`: `one` from the one-process samples, `ranks` from `validate_rank`"
+    return [_row(shape, name, n, layout_degrees(name, n, shape), one, [r[name] for r in ranks]) for name in names]
+
 def _noise(ts) -> float:
     "The spread of measured steps: their standard deviation over their mean"
     return statistics.pstdev(ts) / statistics.mean(ts) if len(ts) > 1 else 0.0
@@ -397,10 +401,6 @@ def _row(shape, name, n, d, one, ranks):
     return dict(layout=name, ranks=n, degrees=d.to_dict(), predicted=pred, measured=meas, error=pred / meas - 1,
                 noise=_noise(ranks[slow]['measured']), parts=p, model=sum(mp.values()),
                 model_error=sum(mp.values()) / meas - 1, model_parts=mp, node=asdict(node) if links else None)
-
-def assemble(shape:TransformerShape, n:int, names:list, one:dict, ranks:list) -> list:
-    "The rows of `n`-rank layouts `names`: `one` from the one-process samples, `ranks` from `validate_rank`"
-    return [_row(shape, name, n, layout_degrees(name, n, shape), one, [r[name] for r in ranks]) for name in names]
 
 # %% ../../nbs/07e_bench.validate.ipynb #0b569954
 def validate(shape:TransformerShape|None=None, # the model to predict and run; default 4 layers, hidden 128

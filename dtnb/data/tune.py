@@ -219,17 +219,6 @@ class TuneResult:
         return fig
 
 # %% ../../nbs/06c_data.tune.ipynb #83d36b94
-def _check_tune_args(dataset, batch_size, loader_kwargs, search):
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size={batch_size!r} must be a positive whole number of samples per batch, "
-                         "e.g. batch_size=32")
-    clash = sorted(set(loader_kwargs) & (set(SEARCHED) | {'batch_sampler', 'batch_size'}))
-    if clash:
-        raise ValueError(f"{', '.join(clash)}: tune_loader chooses these itself; bound the workers with max_workers=N")
-    if not isinstance(dataset, (Dataset, IterableDataset)) and not hasattr(dataset, '__getitem__'):
-        raise TypeError(f"dataset must be a map-style or iterable torch Dataset, got {type(dataset).__name__}")
-    if search not in ('smart', 'grid'): raise ValueError(f"search={search!r} must be 'smart' or 'grid'")
-
 def tune_loader(dataset,                       # map-style or iterable Dataset
                 batch_size:int,                # samples per batch (per rank under DDP)
                 *, max_workers:int|None=None,  # most workers to try; default from cores per rank, sample kind, /dev/shm
@@ -274,6 +263,17 @@ def tune_loader(dataset,                       # map-style or iterable Dataset
     fixed = {k: v for k, v in loader_kwargs.items() if k not in _SAMPLING}
     return TuneResult(_loading_kwargs(best.settings, fixed), best, trials[0], trials, cost, limits, adv, wall, search,
                       stopped, batch_size, sampling, allow_reorder, fixed)
+
+def _check_tune_args(dataset, batch_size, loader_kwargs, search):
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be a positive whole number of samples per batch, "
+                         "e.g. batch_size=32")
+    clash = sorted(set(loader_kwargs) & (set(SEARCHED) | {'batch_sampler', 'batch_size'}))
+    if clash:
+        raise ValueError(f"{', '.join(clash)}: tune_loader chooses these itself; bound the workers with max_workers=N")
+    if not isinstance(dataset, (Dataset, IterableDataset)) and not hasattr(dataset, '__getitem__'):
+        raise TypeError(f"dataset must be a map-style or iterable torch Dataset, got {type(dataset).__name__}")
+    if search not in ('smart', 'grid'): raise ValueError(f"search={search!r} must be 'smart' or 'grid'")
 
 # %% ../../nbs/06c_data.tune.ipynb #fc5d47de
 @dataclass

@@ -341,8 +341,6 @@ class Pipeline:
                 f"microbatches; rank {self.pp_rank} runs {units} ({n:,} parameters))")
 
 # %% ../../nbs/03d_parallel.pipeline.ipynb #75271a25
-def _hugging_face(model) -> bool: return getattr(getattr(model, 'config', None), 'model_type', None) is not None
-
 def pipeline_stages(model:nn.Module, n_stages=None, *, split_points=None, schedule:str='1f1b', balance:str='params',
                     example=None, group=None, trace:bool|None=None) -> tuple:
     "Cut `model` for the pipeline ranks of `group`: returns (split, this rank's stage indices, their modules)"
@@ -393,3 +391,5 @@ def apply_pipeline(model:nn.Module,
     dev = torch.device(device) if device is not None else current_device()
     return Pipeline([m.to(dev) for m in mods], mine, split.n_stages, loss_fn, schedule=schedule,
                     n_microbatches=n_microbatches, group=group, device=dev, split=split)
+
+def _hugging_face(model) -> bool: return getattr(getattr(model, 'config', None), 'model_type', None) is not None

@@ -21,6 +21,12 @@ from .recommend import device_memory
 __all__ = ['batch_of', 'BatchSize', 'find_batch_size']
 
 # %% ../../nbs/04d_plan.batch_size.ipynb #3020a6e0
+def batch_of(sample, n:int, device='meta'):
+    "A batch of `n` copies of the first sample in `sample` on `device` ('meta': shapes only, no memory)"
+    if device == 'meta':
+        return tree_map_tensors(lambda t: torch.empty((n, *t.shape[1:]), dtype=t.dtype, device='meta'), sample)
+    return tree_map_tensors(lambda t: t[:1].to(device).expand(n, *t.shape[1:]).contiguous(), sample)
+
 def _is_shape(s): return isinstance(s, (tuple, list, torch.Size)) and len(s) > 0 and all(
     isinstance(d, int) and not isinstance(d, bool) for d in s)
 
@@ -33,12 +39,6 @@ def _check_sample(sample):
                          f"torch.randn(1, 3, 32, 32), or (x, y) with y of shape (1,)) or be a per-sample shape such as "
                          f"(3, 32, 32); got {type(sample).__name__}")
     return sample
-
-def batch_of(sample, n:int, device='meta'):
-    "A batch of `n` copies of the first sample in `sample` on `device` ('meta': shapes only, no memory)"
-    if device == 'meta':
-        return tree_map_tensors(lambda t: torch.empty((n, *t.shape[1:]), dtype=t.dtype, device='meta'), sample)
-    return tree_map_tensors(lambda t: t[:1].to(device).expand(n, *t.shape[1:]).contiguous(), sample)
 
 # %% ../../nbs/04d_plan.batch_size.ipynb #8a35b2f2
 def _largest(fits, max_batch:int, guess:int|None=None) -> tuple[int, int|None]:

@@ -31,17 +31,17 @@ SHARDS = {'single': (), 'ddp': (), 'zero1': ('optimizer',), 'zero2': ('optimizer
           'pipeline': ('optimizer', 'gradients', 'parameters')}  # the strategies (as dtnb runs them), what each splits
 
 # %% ../../nbs/04a_plan.memory.ipynb #fc73602f
+def optimizer_bytes(optimizer:str='adamw', precision:str=DEFAULT_PRECISION) -> int:
+    "Optimizer state bytes per parameter (ZeRO's K): fp32 master copy plus the optimizer's own states"
+    p = PRECISIONS[check_precision(precision)]
+    return p.master + OPTIMIZERS[_check_optimizer(optimizer)] * p.optimizer_state
+
 def _check_optimizer(optimizer):
     "`optimizer` lower-cased if it is one of `OPTIMIZERS`, else a ValueError listing them"
     v = str(optimizer).lower()
     if v not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not one of {', '.join(map(repr, OPTIMIZERS))}")
     return v
-
-def optimizer_bytes(optimizer:str='adamw', precision:str=DEFAULT_PRECISION) -> int:
-    "Optimizer state bytes per parameter (ZeRO's K): fp32 master copy plus the optimizer's own states"
-    p = PRECISIONS[check_precision(precision)]
-    return p.master + OPTIMIZERS[_check_optimizer(optimizer)] * p.optimizer_state
 
 # %% ../../nbs/04a_plan.memory.ipynb #031cde67
 @dataclass

@@ -26,6 +26,13 @@ __all__ = ['device_memory', 'MemoryPlan', 'recommend', 'layout_candidates', 'tra
            'colwise_per_layer', 'memory_explorer']
 
 # %% ../../nbs/04b_plan.recommend.ipynb #57e94ad1
+def device_memory(report, world_size):
+    "(bytes per rank, device name) from a DeviceReport: the first accelerator, else the RAM shared by the ranks"
+    if report.accelerators: d = report.accelerators[0]; return d.total_memory, d.name
+    cpu = report.devices[0]
+    if cpu.total_memory is None: return None, cpu.name
+    return cpu.total_memory // world_size, f"{cpu.name} RAM" + (f" shared by {world_size} ranks" * (world_size > 1))
+
 def _ladder(ws, activation_checkpointing=True):
     "(strategy, activation checkpointing, offload) in the order `recommend` tries them; `activation_checkpointing`: try"
     cks = (False, True) if activation_checkpointing else (False,)
@@ -37,13 +44,6 @@ def _pipeline(model, stages:int, **kw) -> MemoryEstimate:
     "A 1F1B pipeline over `stages` devices: its largest stage (one micro-batch's activations of the whole model)"
     ranks = range(stages) if hasattr(model, 'parameters') else [0]  # a count or a shape: 1/stages on each
     return max((estimate_memory(model, 'pipeline', stages, rank=r, **kw) for r in ranks), key=lambda e: e.total)
-
-def device_memory(report, world_size):
-    "(bytes per rank, device name) from a DeviceReport: the first accelerator, else the RAM shared by the ranks"
-    if report.accelerators: d = report.accelerators[0]; return d.total_memory, d.name
-    cpu = report.devices[0]
-    if cpu.total_memory is None: return None, cpu.name
-    return cpu.total_memory // world_size, f"{cpu.name} RAM" + (f" shared by {world_size} ranks" * (world_size > 1))
 
 # %% ../../nbs/04b_plan.recommend.ipynb #1dfac6a2
 @dataclass
@@ -130,23 +130,6 @@ class MemoryPlan:
     def __str__(self): return self._head() + '\n\n' + text_table(self._cols, self.rows())
 
 # %% ../../nbs/04b_plan.recommend.ipynb #381d8810
-def _reason(plan_opts, single, chosen, budget, ws):
-    "One sentence on why the chosen option was picked"
-    if single.total <= budget:
-        return (f"fits on one device ({single.total_text}): train there" +
-                (f", or use DDP over {ws} devices for speed" if ws > 1 else ''))
-    need = f"one device would need {single.total_text}"
-    if chosen is None:
-        last = plan_opts[-1]
-        return (f"{need}, and even {last.label} needs {last.total_text} per device: use more devices, "
-                "a smaller micro-batch, or tensor parallelism")
-    e = plan_opts[chosen]
-    pipe = next((p for p in plan_opts if p.strategy == 'pipeline' and p.total <= budget), None)
-    also = (f"; a pipeline of {pipe.world_size} stages ({pipe.label}) fits too, without the host traffic"
-            if e.offload and pipe else '')
-    needs = 'an unknown amount' if e.total_text == 'unknown' else e.total_text
-    return f"{need}; {e.label} needs {needs} per device, the first option that fits{also}"
-
 def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape`
               batch=None, # example batch per device, traced for the activations (with a model)
               *,
@@ -195,6 +178,23 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
     return MemoryPlan(None if e is None else e.strategy, bool(e and e.activation_checkpointing), bool(e and e.offload),
                       _reason(opts, single, chosen, budget, ws), int(memory), budget, device, ests,
                       None if chosen is None else chosen + (ws > 1), margin)
+
+def _reason(plan_opts, single, chosen, budget, ws):
+    "One sentence on why the chosen option was picked"
+    if single.total <= budget:
+        return (f"fits on one device ({single.total_text}): train there" +
+                (f", or use DDP over {ws} devices for speed" if ws > 1 else ''))
+    need = f"one device would need {single.total_text}"
+    if chosen is None:
+        last = plan_opts[-1]
+        return (f"{need}, and even {last.label} needs {last.total_text} per device: use more devices, "
+                "a smaller micro-batch, or tensor parallelism")
+    e = plan_opts[chosen]
+    pipe = next((p for p in plan_opts if p.strategy == 'pipeline' and p.total <= budget), None)
+    also = (f"; a pipeline of {pipe.world_size} stages ({pipe.label}) fits too, without the host traffic"
+            if e.offload and pipe else '')
+    needs = 'an unknown amount' if e.total_text == 'unknown' else e.total_text
+    return f"{need}; {e.label} needs {needs} per device, the first option that fits{also}"
 
 # %% ../../nbs/04b_plan.recommend.ipynb #abf0b8d5
 def layout_candidates(model, world_size:int, max_tp:int=8, units=None) -> list:

@@ -214,21 +214,6 @@ def _row(s, r, nprocs, cmp, one):
             f"{r['samples_per_s']:,.0f}", f"{r['samples_per_s'] / one:.2f}×" if one else '-')
 
 # %% ../../nbs/08a_reporting.sections.ipynb #8141cc8d
-def _placement(nprocs):
-    "CPU ranks when this machine has fewer accelerators than `nprocs` (one accelerator per rank, or none)"
-    acc, n = accelerators()
-    if acc and n < nprocs: return 'cpu', f"{n} {acc} device(s) for {nprocs} ranks: every run on CPU ranks (gloo)"
-    return None, ''
-
-def _launch_runs(task, steps, nprocs):
-    from dtnb.launcher.processes import launch
-    runs, device = {}, _placement(nprocs)[0]
-    for s in ['single'] + STRATEGY_RUNS:
-        n = 1 if s == 'single' else nprocs
-        try: runs[s] = launch(_train_strategy, s, steps, task, nprocs=n, device=device)[0]
-        except Exception as e: runs[s] = dict(failed=f"{type(e).__name__}: {str(e).strip()[:600]}")
-    return runs
-
 def training_section(quick=True, task=None, nprocs=2, **_) -> Section:
     "Train the task's model with every strategy on the same data; compare losses and samples/s with one process"
     task, steps = task or Task(), (8 if quick else 30)
@@ -258,6 +243,21 @@ def training_section(quick=True, task=None, nprocs=2, **_) -> Section:
                 description=task.describe())
     return Section('Training: every strategy, same losses', md, txt, data,
                    error=f"strategies failed: {', '.join(failed)}" if failed else None)
+
+def _placement(nprocs):
+    "CPU ranks when this machine has fewer accelerators than `nprocs` (one accelerator per rank, or none)"
+    acc, n = accelerators()
+    if acc and n < nprocs: return 'cpu', f"{n} {acc} device(s) for {nprocs} ranks: every run on CPU ranks (gloo)"
+    return None, ''
+
+def _launch_runs(task, steps, nprocs):
+    from dtnb.launcher.processes import launch
+    runs, device = {}, _placement(nprocs)[0]
+    for s in ['single'] + STRATEGY_RUNS:
+        n = 1 if s == 'single' else nprocs
+        try: runs[s] = launch(_train_strategy, s, steps, task, nprocs=n, device=device)[0]
+        except Exception as e: runs[s] = dict(failed=f"{type(e).__name__}: {str(e).strip()[:600]}")
+    return runs
 
 # %% ../../nbs/08a_reporting.sections.ipynb #f9d48485
 class _TaskSamples:
@@ -293,16 +293,6 @@ def loader_section(quick=True, task=None, **_) -> Section:
                    dict(r.to_dict(), source=src))
 
 # %% ../../nbs/08a_reporting.sections.ipynb #97f63c0b
-def _cell(v):
-    if v is None: return '-'
-    return (f"{v:.1f}" if abs(v) >= 100 else f"{v:.3g}") if isinstance(v, float) else str(v)
-
-def _bench_md(r) -> str:
-    d = r.to_dict()
-    head = md_table(('headline', ''), [(k, _cell(v)) for k, v in d['summary'].items()])
-    rows = md_table([h for h, _ in d['columns']], [[_cell(x.get(k)) for _, k in d['columns']] for x in d['rows']])
-    return f"### {r.kind}\n\n{fig_ref('bench_' + r.kind)}\n\n{head}\n\n{fold(rows, len(d['rows']), r.kind + ' rows')}"
-
 def bench_section(quick=True, **_) -> Section:
     "Matmul, memory, collectives, model throughput and scaling on this machine"
     from dtnb.bench.throughput import bench_all
@@ -312,6 +302,16 @@ def bench_section(quick=True, **_) -> Section:
         except Exception: pass  # a result without a plot (nothing to draw) still has its table
     md = '\n\n'.join(map(_bench_md, results))
     return Section('Benchmarks', md, '\n\n'.join(map(str, results)), {r.kind: r.to_dict() for r in results}, figs)
+
+def _cell(v):
+    if v is None: return '-'
+    return (f"{v:.1f}" if abs(v) >= 100 else f"{v:.3g}") if isinstance(v, float) else str(v)
+
+def _bench_md(r) -> str:
+    d = r.to_dict()
+    head = md_table(('headline', ''), [(k, _cell(v)) for k, v in d['summary'].items()])
+    rows = md_table([h for h, _ in d['columns']], [[_cell(x.get(k)) for _, k in d['columns']] for x in d['rows']])
+    return f"### {r.kind}\n\n{fig_ref('bench_' + r.kind)}\n\n{head}\n\n{fold(rows, len(d['rows']), r.kind + ' rows')}"
 
 # %% ../../nbs/08a_reporting.sections.ipynb #39153a57
 def predict_section(quick=True, nprocs=2, **_) -> Section:
