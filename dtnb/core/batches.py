@@ -6,7 +6,7 @@ Docs: https://dtnb-dev.github.io/dtnb/core.batches.html.md"""
 
 # %% ../../nbs/00e_core.batches.ipynb #e54baf00
 from __future__ import annotations
-import inspect
+import functools, inspect
 from dataclasses import dataclass
 from collections.abc import Mapping
 import torch
@@ -23,11 +23,23 @@ def output_logits(out):
     if isinstance(out, dict) and 'logits' in out: return out['logits']
     return out if torch.is_tensor(out) or not hasattr(out, 'logits') else out.logits
 
+@functools.lru_cache(maxsize=64)
+def _params_of(fn):
+    "The parameters of a forward function, read once (a signature costs more than a small model's step), or None"
+    try: return inspect.signature(fn).parameters
+    except (TypeError, ValueError): return None
+
+def _forward_params(model):
+    "The parameters of `model`'s forward (a DDP/FSDP wrapper: its module's), or None where none can be read"
+    f = getattr(getattr(model, 'module', model), 'forward', None)
+    if f is None: return None
+    f = getattr(f, '__func__', f)  # the function under a bound method: the same object on every call
+    try: return _params_of(f)
+    except TypeError: return _params_of.__wrapped__(f)  # an unhashable callable
+
 def takes_labels(model) -> bool:
     "Whether `model` (or the module a wrapper holds) computes its own loss from a `labels` argument (Hugging Face)"
-    m = getattr(model, 'module', model)
-    try: return 'labels' in inspect.signature(m.forward).parameters
-    except (TypeError, ValueError, AttributeError): return False
+    return 'labels' in (_forward_params(model) or ())
 
 def describe_batch(batch) -> str:
     "A batch's structure in words, for messages: \"dict with keys 'image', 'label'\""
@@ -39,8 +51,7 @@ def describe_batch(batch) -> str:
 
 def _takes(model, names) -> bool:
     "Whether `model`'s forward takes all `names` as keywords (a DDP wrapper: its module's forward)"
-    try: ps = inspect.signature(getattr(model, 'module', model).forward).parameters
-    except (TypeError, ValueError, AttributeError): return False
+    if (ps := _forward_params(model)) is None: return False
     return any(p.kind == p.VAR_KEYWORD for p in ps.values()) or all(n in ps for n in names)
 
 # %% ../../nbs/00e_core.batches.ipynb #c18a25f6

@@ -108,19 +108,19 @@ def _strategy(model) -> str:
 
 def _reduce(losses, norms, kind) -> tuple[list, list]:
     "Per-step losses averaged over the data-parallel ranks, gradient norms (`ShardNorm`s summed): one all-reduce"
-    dev, k, shard = current_device(), len(losses), [i for i, n in enumerate(norms) if isinstance(n, ShardNorm)]
-    full = torch.stack([torch.full((), float('nan'), device=dev) if n is None else getattr(n, 'sq', n).detach().float()
-                        for n in norms]).cpu() if norms else torch.zeros(0)  # one read of the device
-    if kind == 'pipeline': return [float(l) for l in losses], full.tolist()  # the whole batch's already
-    t = torch.cat([torch.stack(losses).detach().float().reshape(-1).cpu() if k else full[:0], full[shard]])
-    ws = d.get_world_size() if (d := dist_or_none()) is not None else 1
-    if ws > 1: d.all_reduce(t := t.to(dev) if d.get_backend() == 'nccl' else t)  # gloo reduces on the CPU
-    t = t.cpu(); full[shard] = t[k:].sqrt()
-    return (t[:k] / ws).tolist(), full.tolist()
+    given, k = [i for i, n in enumerate(norms) if n is not None], 0 if kind == 'pipeline' else len(losses)
+    ts = [getattr(x, 'sq', x).detach().float().reshape(-1) for x in [*losses[:k], *(norms[i] for i in given)]]
+    t, full = torch.cat(ts).cpu() if ts else torch.zeros(0), [float('nan')] * len(norms)  # one read of the device
+    shard = [k + j for j, i in enumerate(given) if isinstance(norms[i], ShardNorm)]  # None: a norm not measured
+    if kind != 'pipeline' and (d := dist_or_none()) is not None and (ws := d.get_world_size()) > 1:
+        r = torch.cat([t[:k], t[shard]]); d.all_reduce(r := r.to(current_device()) if d.get_backend() == 'nccl' else r)
+        r = r.cpu(); t[:k] = r[:k] / ws; t[shard] = r[k:]  # gloo reduces on the CPU
+    t[shard] = t[shard].sqrt()
+    for i, v in zip(given, t[k:].tolist()): full[i] = v
+    return ([float(l) for l in losses] if kind == 'pipeline' else t[:k].tolist()), full  # a pipeline's: the batch's
 
 # %% ../../nbs/05f_train.loop.ipynb #c012
 _HISTORY = ('losses', 'lrs', 'grad_norms')
-
 _SCHEDULED = {'lr', 'initial_lr', 'betas', 'momentum', 'max_lr', 'min_lr', 'max_momentum', 'base_momentum'}
 
 def _hyper(optimizer, scheduler) -> list:

@@ -6,9 +6,10 @@ Docs: https://dtnb-dev.github.io/dtnb/train.stragglers.html.md"""
 
 # %% ../../nbs/05d_train.stragglers.ipynb #51b44a44
 from __future__ import annotations
-import time
+import math, time
+import torch
 from dataclasses import dataclass, field
-from ..core.dist import all_gather_objects, rank_world, is_main, current_device
+from ..core.dist import all_gather_floats, rank_world, is_main, current_device
 from ..core.utils import md_table, text_table
 
 # %% auto #0
@@ -105,7 +106,9 @@ class _Watch:
         if (state.step - res.start_step) % self.every: return
         (t0, d0, c0), (t, d, c) = self.last, self._now(res.data_wait_s)
         self.last = (t, d, c)
-        self.steps.intervals.append(all_gather_objects(split_interval(t - t0, d - d0, c if c is None else c - c0)))
+        mine = torch.tensor([t - t0, d - d0, float('nan') if c is None else c - c0], dtype=torch.float64)
+        self.steps.intervals.append([split_interval(w, dt, None if math.isnan(cp) else cp)
+                                     for w, dt, cp in all_gather_floats(mine).tolist()])
         self.steps.steps.append(self.every)
         if self.show and is_main() and (r := self.steps.straggler) is not None and r != self.said:
             self.said = r; print(f"fit: {self.steps.verdict}", flush=True)
