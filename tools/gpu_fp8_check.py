@@ -76,12 +76,14 @@ def refusal(device):
     return dict(fp8=False, reason=why, message=msgs[0])
 
 
-def train(device, steps, size, compile=False):
+def train(device, steps, size, compile=False, out=None):
     "fit in bf16-mixed, then in fp8, the same model and data: step times (after a warm-up), losses, peak memory"
     vocab, h, layers, heads, seq, batch = size
-    emulate = device == 'cpu'
+    emulate, out = device == 'cpu', {} if out is None else out  # `out`: filled as figures come, kept on a failure
+    out['emulated'], out['compiled'] = emulate, compile
+    out['size'] = dict(zip(('vocab', 'hidden', 'layers', 'heads', 'seq', 'batch'), size))
     data = markov_batches(64, batch, seq, vocab, device)
-    warm, out, lr = (10, {}, 5e-4) if device == 'cuda' else (5, {}, 1e-2)
+    warm, lr = (10, 5e-4) if device == 'cuda' else (5, 1e-2)
     for precision in ('bf16-mixed', 'fp8'):
         torch.manual_seed(0)
         m = GPT(vocab, h, layers, heads, seq).to(device)
@@ -99,7 +101,7 @@ def train(device, steps, size, compile=False):
         losses = first.losses + r.losses
         tail = max(1, len(losses) // 10)
         out[precision] = dict(step_s=secs / steps, first_loss=losses[0], last_loss=sum(losses[-tail:]) / tail,
-                              fp8_linears=len(float8_linears(m)), steps=len(losses),
+                              fp8_linears=len(float8_linears(m)), steps=len(losses), curve=losses[::10],
                               peak_bytes=torch.cuda.max_memory_allocated() if device == 'cuda' else None)
         learnt = 0.8 if device == 'cuda' else 0.9  # the CPU's few steps: a start
         assert out[precision]['last_loss'] < learnt * losses[0], f"{precision} did not learn: {out[precision]}"
@@ -109,8 +111,6 @@ def train(device, steps, size, compile=False):
     out['loss_diff'] = f['last_loss'] - b['last_loss']
     out['loss_rel_diff'] = abs(out['loss_diff']) / b['last_loss']
     out['tolerance'] = TOLERANCE
-    out['emulated'], out['compiled'], out['size'] = emulate, compile, dict(zip(
-        ('vocab', 'hidden', 'layers', 'heads', 'seq', 'batch'), size))
     assert out['loss_rel_diff'] <= TOLERANCE, f"fp8 ends {out['loss_rel_diff']:.1%} away from bf16: {out}"
     return out
 
@@ -132,14 +132,15 @@ def main(argv=None):
     except importlib.metadata.PackageNotFoundError: tao = None
     results, failed = dict(device=a.device, torch=torch.__version__, torchao=tao, checks={}), False
     if a.device == 'cuda': results['gpu'] = torch.cuda.get_device_name()
-    for name, check in (('refusal', lambda: refusal(a.device)), ('train', lambda: train(a.device, steps, size,
-                                                                                       a.compile))):
+    figures = {}  # what train measured before any failed assertion
+    for name, check in (('refusal', lambda: refusal(a.device)),
+                        ('train', lambda: train(a.device, steps, size, a.compile, figures))):
         if name == 'train' and a.device == 'cuda' and not results['checks']['refusal'].get('fp8'):
             results['checks'][name] = dict(passed=True, skipped="no FP8 tensor cores here: the refusal is the check")
             continue
         t0 = time.perf_counter()
         try: res = dict(passed=True, **check())
-        except Exception: res, failed = dict(passed=False, error=traceback.format_exc()), True
+        except Exception: res, failed = dict(passed=False, error=traceback.format_exc(), **figures), True
         res['seconds'] = round(time.perf_counter() - t0, 2)
         results['checks'][name] = res
         print(f"{name}: {'passed' if res['passed'] else 'FAILED'} in {res['seconds']} s")
