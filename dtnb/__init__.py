@@ -9,7 +9,7 @@ _API = '''
     ToyModel TinyTransformer toy_data toy_sequences find_blocks
     launch LaunchError init_distributed shutdown rank world_size local_rank is_main barrier rank0_first current_device
     placement preflight DoctorReport CollectiveTimeout
-    wrap make_optimizer apply_activation_checkpointing batchnorm_layers distributed_loader
+    wrap make_optimizer apply_activation_checkpointing batchnorm_layers distributed_loader float8_training
     full_state_dict check_optimizer size_groups
     apply_pipeline Pipeline causal_lm_loss split_model PipelineSplit PipelineTimeline PipelineTimelines
     simulate_schedule

@@ -172,7 +172,7 @@ def _plan_args(p):
     p.add_argument('--vocab', type=int, default=0)
     p.add_argument('--world-size', type=int, help="devices (default: this machine's accelerators, else 1)")
     p.add_argument('--optimizer', default='adamw', choices=['sgd', 'momentum', 'adam', 'adamw'])
-    p.add_argument('--precision', choices=['fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true', 'zero-mixed'],
+    p.add_argument('--precision', choices=['fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true', 'zero-mixed', 'fp8'],
                    help="default: fp32 (DEFAULT_PRECISION, as in fit and the planner)")
     p.add_argument('--memory', type=_size, help="per device: 80GB, 80GiB or bytes (8e10); default: detected")
     p.add_argument('--margin', type=float, default=0.1, help="fraction of device memory kept free")

@@ -8,7 +8,7 @@ import pytest, torch
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / 'tools' / 'gpu_check.sh'
 STEPS = ['install', 'env', 'nvidia_smi', 'predict', 'launch', 'gpu_bench', 'report', 'cuda_cells', 'cuda_tests',
-         'train']
+         'train', 'fp8']
 sys.path.insert(0, str(ROOT / 'tools'))
 import cuda_cells  # noqa: E402
 
@@ -41,7 +41,9 @@ def test_requirements_leave_torch_to_the_gpu_machine():
     r = run('--requirements')
     reqs = r.stdout.split()
     assert r.returncode == 0 and 'nbdev>=3.3' in reqs and 'fastcore>=1.8' in reqs and 'nvidia-ml-py>=12' in reqs
-    assert not [q for q in reqs if q.startswith(('torch', 'playwright'))]
+    assert {q for q in reqs if q.startswith('torchao')} == {'torchao>=0.18'}  # precision='fp8' (the fp8 step)
+    assert not [q for q in reqs if q.startswith(('torch>', 'torch=', 'torchdata', 'playwright'))]
+    assert 'torch' not in reqs
 
 
 def test_multicuda_cells_only_with_two_gpus():
@@ -71,7 +73,7 @@ def test_dry_run_stops_a_hung_step_at_its_slice_and_goes_on(tmp_path):
     steps get 1-2 s slices here (stopped too: the machinery is the subject; CI runs the dry run in full)."""
     out, test_id, budget = tmp_path / 'out', uuid.uuid4().hex, 90
     slices = ['--slice', 'env=3', '--slice', 'gpu_bench=2', '--slice', 'report=1', '--slice', 'cuda_cells=2',
-              '--slice', 'train=2']
+              '--slice', 'train=2', '--slice', 'fp8=2']
     t0 = time.monotonic()
     r = run('--dry-run', '--budget', str(budget), *slices, str(out), GPU_CHECK_HANG='env', GPU_CHECK_TEST_ID=test_id)
     took = time.monotonic() - t0

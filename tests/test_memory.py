@@ -201,7 +201,7 @@ def test_explorer_follows_its_controls():
     (lambda: estimate_memory(0), "positive parameter count"),
     (lambda: estimate_memory(1e9, 'ddp', -1), "world_size=-1 must be a whole number of devices >= 1"),
     (lambda: estimate_memory(1e9, optimizer='lion'), "optimizer='lion' is not one of"),
-    (lambda: estimate_memory(1e9, precision='fp8'), "precision='fp8' is not one of"),
+    (lambda: estimate_memory(1e9, precision='fp4'), "precision='fp4' is not one of"),
     (lambda: measure_memory(ToyModel(), torch.randn(2, 16), 'pipeline', 2), "and loss_fn(output, targets), which the"),
     (lambda: measure_memory(ToyModel(), torch.randn(2, 16), 'tp', 2), "strategy='tp' is not one of"),
     (lambda: estimate_memory(1e9, 'pipeline', 2, offload=True), "plan it with 'zero3', not 'pipeline'"),

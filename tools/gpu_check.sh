@@ -23,6 +23,8 @@
 #   4. cuda_cells  only the `#| cuda` notebook cells and what they need (tools/cuda_cells.py; the CPU cells are CI's)
 #      cuda_tests  only the `cuda`-marked tests
 #      train       fit in bf16-mixed and find_batch_size's trying path (tools/gpu_train_check.py)
+#      fp8         fit in fp8 beside bf16-mixed on a small GPT: step time ratio, loss after 260 steps of each; the
+#                  refusal where the GPU has no FP8 tensor cores (tools/gpu_fp8_check.py)
 # A step's slice is its share of the budget (or --slice), never more than what is left; a step that runs past it is
 # stopped (TERM to its process group, KILL 5 s later, then any process that carries its tag) and the next one runs; a
 # step with under 10 s left is skipped. A slice is at least 15 s. Exit 1 when a step failed or ran out of time.
@@ -52,16 +54,20 @@ WHEELS=${WHEELHOUSE:-.whl}
 STEPS="install:12 env:6 nvidia_smi:3 predict:6 launch:6 gpu_bench:30 report:25 cuda_cells:40 cuda_tests:10 train:12"
 # The dry run's CPU forms cost otherwise: no GPU benchmark to speak of, the cells' slices and the imports dominate.
 STEPS_DRY="install:5 env:10 nvidia_smi:3 predict:5 launch:8 gpu_bench:20 report:25 cuda_cells:35 cuda_tests:5 train:20"
+STEPS="$STEPS fp8:6"; STEPS_DRY="$STEPS_DRY fp8:5"  # fp8 (not yet run on a GPU): 2 fits of a 140M GPT, < 30 s
 
-requirements() {  # from pyproject.toml: build requirements, dependencies and the nvml/safetensors/dev extras
+requirements() {  # from pyproject.toml: build requirements, dependencies and the nvml/safetensors/fp8/dev extras
   "$PY" - <<'EOF'
 try: import tomllib  # Python 3.11+; pip vendors the same parser for 3.10
 except ImportError: from pip._vendor import tomli as tomllib
 t = tomllib.load(open('pyproject.toml', 'rb'))
 p, x = t['project'], t['project']['optional-dependencies']
-skip = ('torch', 'playwright')  # torch: the GPU machine's own build; playwright: only the docs-site test uses it
-for r in t['build-system']['requires'] + p['dependencies'] + x['nvml'] + x['safetensors'] + x['dev']:
-    if not r.startswith(skip): print(r)
+import re
+# torch: the GPU machine's own build; playwright: only the docs-site test uses it; torchdata: left out as it always
+# was (its tests skip without it). By name: torchao (the fp8 extra) is not torch
+skip = ('torch', 'playwright', 'torchdata')
+for r in t['build-system']['requires'] + p['dependencies'] + x['nvml'] + x['safetensors'] + x['fp8'] + x['dev']:
+    if re.split(r'[<>=!~;\[ ]', r, maxsplit=1)[0] not in skip: print(r)
 EOF
 }
 
@@ -243,6 +249,7 @@ step cuda_cells "$PY" tools/cuda_cells.py $( [ "$n" -ge 2 ] && echo --multi ) $(
   --out "$RES/cuda_cells.json"
 step cuda_tests bash -c cuda_tests
 step train "$PY" tools/gpu_train_check.py --out "$RES/train.json" $( [ $DRY = 1 ] && echo --device cpu )
+step fp8 "$PY" tools/gpu_fp8_check.py --out "$RES/fp8.json" $( [ $DRY = 1 ] && echo --device cpu )
 
 files=$(find "$OUT_DIR" -type f | wc -l)
 say "gpu_check: $( [ $STATUS -eq 0 ] && echo 'all passed' || echo 'FAILURES (see summary.json)' ) in" \

@@ -70,8 +70,8 @@ def flops_per_sample(model, # an `nn.Module`, a parameter count, or a `Transform
 
 # %% ../../nbs/07d_bench.forecast.ipynb #69cb63ee
 def _trains_with(dtype) -> str|None:
-    "The precision a run in `dtype` trains with (fp8 matmuls keep bf16-mixed's memory); None where there is none"
-    try: return precision_for('bf16' if dtype == 'fp8' else dtype)
+    "The precision a run in `dtype` trains with ('fp8': bf16-mixed's memory, FP8 matmuls); None where there is none"
+    try: return precision_for(dtype)
     except ValueError: return None
 
 @dataclass

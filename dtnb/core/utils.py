@@ -247,11 +247,12 @@ PRECISIONS = {
     'fp16-mixed': Precision(4, 4, 0, 4, 2, torch.float16),
     'bf16-true':  Precision(2, 2, 0, 2, 2, None),
     'zero-mixed': Precision(2, 2, 4, 4, 2, None),
+    'fp8':        Precision(4, 4, 0, 4, 2, torch.bfloat16),  # bf16-mixed, Linear matmuls in FP8 (`core.fp8`)
 }
 DEFAULT_PRECISION = 'fp32'  # what fit, the memory planner, measure_memory and `dtnb plan` use when given none
 _AMBIGUOUS = {'bf16': "'bf16-mixed' (autocast) or 'bf16-true' (pure bf16)", 'fp16': "'fp16-mixed'",
               'amp': "'bf16-mixed' (or 'fp16-mixed')", 'mixed': "'zero-mixed'", 'true': "'bf16-true'"}
-_TRAINS_IN = {'fp32': 'fp32', 'tf32': 'fp32', 'bf16': 'bf16-mixed', 'fp16': 'fp16-mixed'}
+_TRAINS_IN = {'fp32': 'fp32', 'tf32': 'fp32', 'bf16': 'bf16-mixed', 'fp16': 'fp16-mixed', 'fp8': 'fp8'}
 
 def check_precision(precision) -> str:
     "`precision` as one of `PRECISIONS` (None means `DEFAULT_PRECISION`), or an error naming the choices"

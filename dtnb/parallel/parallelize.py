@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, asdict
 import torch
 from torch import nn
-from ..core.utils import md_table, text_table, needs_torch
+from ..core.utils import md_table, text_table, needs_torch, check_precision
+from ..core.fp8 import float8_training
 from ..core.dist import require_group, current_device, world_size
 from ..core.models import find_blocks
 from ..core.state import set_state
@@ -136,6 +137,7 @@ def parallelize(model:nn.Module,
                 schedule:str='1f1b', n_microbatches:int|None=None, n_stages:int|None=None,
                 split_points:list|None=None, balance:str='params', example=None, # pipeline options: see `pipeline`
                 device=None,                     # default: this rank's device
+                precision:str|None=None,         # 'fp8': Linear layers to torchao's Float8Linear first; others: fit's
                 **fsdp):                         # with dp_shard: `apply_fsdp`'s options (param_dtype=, ...)
     "Apply what `degrees` turns on to `model`: pipeline split, Ulysses, checkpointing, tensor parallel, FSDP or DDP"
     require_group("parallelize(model, degrees)")
@@ -159,6 +161,7 @@ def parallelize(model:nn.Module,
                          "each module's values those of a normal build, on the whole model (a pipeline stage would "
                          f"draw others): use dp_shard > 1 without pp (here dp_shard={degrees.dp_shard}, "
                          f"pp={degrees.pp}), or build the model on a device")
+    if check_precision(precision) == 'fp8': float8_training(model, dev)  # 0. FP8 Linears, before any split or shard
     mesh = mesh if mesh is not None else degrees.build_mesh(dev.type)
     before = list(model.parameters())  # what tp, FSDP or the split replace: an optimizer holding them is refused
     if degrees.sp_enabled:  # 1. Ulysses: every rank of an sp group loads the same batch, as `data_rank` says

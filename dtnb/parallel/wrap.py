@@ -9,6 +9,8 @@ from __future__ import annotations
 from torch import nn
 from ..core.models import find_blocks
 from ..core.state import set_state
+from ..core.utils import check_precision
+from ..core.fp8 import float8_training
 from .ddp import prepare_batchnorm, apply_single, apply_ddp, apply_zero1
 from .fsdp import apply_zero2, apply_fsdp
 from .pipeline import apply_pipeline
@@ -34,6 +36,7 @@ def wrap(model:nn.Module, strategy:str='ddp',
          activation_checkpointing:bool=False,  # recompute each block's activations in the backward
          offload:bool=False,   # keep model states in host memory ('zero3'/'fsdp')
          layer_cls=None,       # the block class(es) or name(s): FSDP's units, what recomputes; default: found
+         precision:str|None=None, # 'fp8': Linear layers to torchao's Float8Linear, before sharding; others: fit's
          **options) -> nn.Module:
     "Apply a parallel `strategy` (a name in `STRATEGIES`) to `model` from the outside; returns the model to train"
     if strategy not in STRATEGIES:
@@ -47,6 +50,7 @@ def wrap(model:nn.Module, strategy:str='ddp',
         raise ValueError(f"layer_cls names the blocks FSDP shards and activation checkpointing recomputes; "
                          f"{strategy!r} without activation_checkpointing=True has none: leave it out, or add "
                          "activation_checkpointing=True")
+    if check_precision(precision) == 'fp8': float8_training(model, options.get('device'))  # before any wrapper
     if activation_checkpointing:  # on the plain blocks, before any wrapper
         apply_activation_checkpointing(model, layer_cls)
     if strategy in SHARDED: options['layer_cls'] = layer_cls

@@ -11,6 +11,7 @@ from dataclasses import dataclass, asdict, field
 import torch
 from ..core.utils import tree_map_tensors, tensors, autocast, synchronize, parse_size, fmt_bytes, md_table, text_table
 from ..core.utils import accelerators, cast_inputs, DEFAULT_PRECISION
+from ..core.fp8 import float8_training
 from ..detection.device import detect
 from ..core.batches import BatchLoss
 from .activations import measured_loss
@@ -133,6 +134,7 @@ def _try_path(model, sample, optimizer, precision, loss_fn, budget, max_batch, g
     dev = current_device()
     m = copy.deepcopy(model).to(dev)
     if precision == 'bf16-true': m = m.to(torch.bfloat16)
+    if precision == 'fp8': float8_training(m, dev)  # the steps tried train in FP8, as fit's would
     opt, checks, peak = named_optimizer(m, optimizer, 1e-6), [], {}
     def fits(n):
         peak[n] = _step_bytes(m, opt, sample, n, dev, precision, loss_fn)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from ..core.utils import to_device, autocast, synchronize, md_table, text_table, cast_inputs
+from ..core.fp8 import float8_training
 from ..core.utils import DEFAULT_PRECISION
 from ..launcher.processes import launch
 from ..core.dist import current_device, rank_world
@@ -60,6 +61,7 @@ def _measure_step(model, batch, strategy, optimizer, precision, how, units, lr):
     if precision == 'bf16-true':
         model = model.to(torch.bfloat16)
         batch = cast_inputs(batch, torch.bfloat16)  # as fit feeds a bf16 model: targets keep their dtype
+    if precision == 'fp8': float8_training(model, dev)  # as wrap does: refused where there are no FP8 tensor cores
     if strategy == 'pipeline': return _measure_pipeline(model, batch, optimizer, how.loss_fn, lr, dev, acc and m0)
     model = _apply_strategy(model, strategy, units)
     return _step_bytes(model, named_optimizer(model, optimizer, lr), batch, precision, how, units, dev,
@@ -136,6 +138,7 @@ def _layout_step(model, batch, degrees, optimizer, precision, how, units, lr):
         synchronize(dev); torch.accelerator.reset_peak_memory_stats(); m0 = torch.accelerator.memory_allocated()
     model = copy.deepcopy(model)
     if precision == 'bf16-true': model, batch = model.to(torch.bfloat16), cast_inputs(batch, torch.bfloat16)
+    if precision == 'fp8': float8_training(model, dev)  # as parallelize(precision='fp8') does
     ex = _pipeline_example(batch, degrees.pp) if degrees.pp_enabled else None  # checks the cut; traces a non-chain
     lf = _stage_loss(model, how.loss_fn) if degrees.pp_enabled else how.loss_fn
     m = parallelize(model, degrees, lf, layer_cls=units, device=dev, example=ex)

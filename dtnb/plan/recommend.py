@@ -8,7 +8,8 @@ Docs: https://dtnb-dev.github.io/dtnb/plan.recommend.html.md"""
 from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
-from ..core.utils import PRECISIONS, DEFAULT_PRECISION, fmt_bytes, md_table, text_table
+from ..core.utils import PRECISIONS, DEFAULT_PRECISION, fmt_bytes, md_table, text_table, check_precision
+from ..core.fp8 import fp8_error
 from ..core.models import find_blocks
 from .activations import trace_activations
 from ..parallel.pipeline_split import pipeline_units
@@ -71,6 +72,7 @@ class MemoryPlan:
         kw = dict(strategy=self.strategy)
         if self.activation_checkpointing: kw['activation_checkpointing'] = True
         if self.offload: kw['offload'] = True
+        if self.estimates[self.chosen].precision == 'fp8': kw['precision'] = 'fp8'  # wrap converts before sharding
         return kw
     @property
     def code(self) -> str:
@@ -78,9 +80,10 @@ class MemoryPlan:
         if self.strategy is None: return ''
         e = self.estimates[self.chosen]
         if self.degrees is not None:
+            f8 = ", precision='fp8'" if e.precision == 'fp8' else ''  # converted before parallelize shards it
             d = ', '.join(f"{k}={getattr(self.degrees, k)}" for k in self.degrees.enabled)
             ac = ', activation_checkpointing=True' * self.activation_checkpointing
-            return (f"model = dtnb.parallelize(model, dtnb.Degrees({d}), loss_fn{ac})\n"
+            return (f"model = dtnb.parallelize(model, dtnb.Degrees({d}), loss_fn{ac}{f8})\n"
                     f"optimizer = torch.optim.AdamW(model.parameters(), lr=...)")
         opts = ''.join(f", {k}={v!r}" for k, v in self.wrap_kwargs.items() if k != 'strategy')
         extra = ", loss_fn=loss_fn" if self.strategy == 'pipeline' else ''
@@ -155,6 +158,7 @@ def recommend(model, # an `nn.Module`, a parameter count, or a `TransformerShape
     ws = world_size or (len(report.accelerators) or 1)
     if memory is None: memory, device = device_memory(report, ws)
     else: device = 'given'
+    if check_precision(precision) == 'fp8' and report is not None: _fp8_devices(report)
     if not memory:
         raise ValueError("The device memory is unknown (psutil missing?): pass memory= in bytes, e.g. memory=80e9")
     if layouts: return _recommend_layout(model, batch, ws, memory, device, margin, optimizer, precision, loss_fn,
@@ -195,6 +199,14 @@ def _reason(plan_opts, single, chosen, budget, ws):
             if e.offload and pipe else '')
     needs = 'an unknown amount' if e.total_text == 'unknown' else e.total_text
     return f"{need}; {e.label} needs {needs} per device, the first option that fits{also}"
+
+def _fp8_devices(report):
+    "Refuse precision='fp8' on a report's devices without FP8 tensor cores, as `fit` would (`core.fp8`)"
+    acc = report.accelerators
+    if acc and all(a.fp8 for a in acc): return
+    raise fp8_error(f"{acc[0].name} has no FP8 tensor cores" if acc else
+                    "the devices detected here are the CPU's, which has no FP8 matmul (pass world_size= and memory= "
+                    "to plan for another machine's)")
 
 # %% ../../nbs/04b_plan.recommend.ipynb #abf0b8d5
 def layout_candidates(model, world_size:int, max_tp:int=8, units=None) -> list:

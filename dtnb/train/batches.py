@@ -14,6 +14,7 @@ from torch import nn
 from ..core.dist import world_size, current_device, all_gather_objects
 from ..core.utils import to_device, tree_map_tensors, tensors, autocast, cast_inputs, check_precision
 from ..core.batches import BatchLoss, forward_loss  # how a batch becomes a loss: one definition, in core
+from ..core.fp8 import float8_training, check_fp8
 
 # %% auto #0
 __all__ = ['cast_batch', 'count_samples', 'fit_precision', 'gradient_sync', 'micro_step', 'ShardNorm', 'grad_norm',
@@ -44,6 +45,8 @@ def fit_precision(model, precision) -> str:
         raise ValueError(f"precision='bf16-true' trains the model's own bf16 parameters, but it has "
                          f"{', '.join(sorted(map(str, dts)))} ones: call model.to(torch.bfloat16) before building "
                          "the optimizer, or use 'bf16-mixed' (autocast)")
+    if p == 'fp8':  # a pipeline was converted by parallelize before its split: only the device is left to check
+        float8_training(model) if isinstance(model, nn.Module) else check_fp8()
     return p
 
 # %% ../../nbs/05_train.batches.ipynb #d5fd7aef
