@@ -20,23 +20,6 @@ from .checkpoint_format import checkpoint_path, list_checkpoints, latest_checkpo
 # %% auto #0
 __all__ = ['AsyncSave', 'save_checkpoint', 'wait_pending']
 
-# %% ../../nbs/05b_train.checkpoint.ipynb #c006
-def _rank0_buffers(sd:dict, mine:dict, parts:list, group=None) -> dict:
-    "Put rank 0's value of every buffer all ranks hold into `sd` (copies); return this rank's own that differ"
-    d = dist_or_none()
-    if d is None or len(parts) == 1: return {}
-    groups, own = {}, {}  # buffers every rank holds alike (not a pipeline stage's own), by dtype and device type
-    for k in sorted(k for k in mine if all(p.get(k) == mine[k] for p in parts)):
-        v = sd['model'][k]; groups.setdefault((v.dtype, v.device.type), []).append(k)
-    for ks in groups.values():  # one broadcast per group, not one per buffer (a ResNet-50 has 160)
-        flat = torch.cat([sd['model'][k].detach().reshape(-1) for k in ks])
-        d.broadcast(flat, 0, group=group)
-        for k, t in zip(ks, flat.split([sd['model'][k].numel() for k in ks])):
-            v = sd['model'][k]
-            if not torch.equal(t.view_as(v), v): own[k] = v.detach().cpu().clone()
-            sd['model'][k] = t.view_as(v).clone()
-    return own
-
 # %% ../../nbs/05b_train.checkpoint.ipynb #c027
 def _fsync(path):
     fd = os.open(path, os.O_RDONLY)
@@ -225,6 +208,25 @@ def save_checkpoint(path,                        # directory to create, e.g. che
     if async_save: return AsyncSave(path, sd, bufs, *args)
     _write(path, sd, bufs, *args, zip_crc=False)  # the caller waits: no CRC32 (_summing_writer)
     return path
+
+# %% ../../nbs/05b_train.checkpoint.ipynb #c006
+def _rank0_buffers(sd:dict, mine:dict, parts:list, group=None) -> dict:
+    "Put rank 0's value of every buffer all ranks hold into `sd` (copies); return this rank's own that differ"
+    d = dist_or_none()
+    if d is None or len(parts) == 1: return {}
+    groups, own = {}, {}  # buffers every rank holds alike (not a pipeline stage's own), by dtype and device type
+    for k in sorted(k for k in mine if all(p.get(k) == mine[k] for p in parts)):
+        v = sd['model'][k]; groups.setdefault((v.dtype, v.device.type), []).append(k)
+    for ks in groups.values():  # one broadcast per group, not one per buffer (a ResNet-50 has 160)
+        flat = torch.cat([sd['model'][k].detach().reshape(-1) for k in ks])
+        d.broadcast(flat, 0, group=group)
+        for k, t in zip(ks, flat.split([sd['model'][k].numel() for k in ks])):
+            v = sd['model'][k]
+            if not torch.equal(t.view_as(v), v): own[k] = v.detach().cpu().clone()
+            sd['model'][k] = t.view_as(v).clone()
+    return own
+
+
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c033
 _PENDING, _ASYNC_GROUPS = [], {}
