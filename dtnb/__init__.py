@@ -24,6 +24,7 @@ _API = '''
     save_checkpoint load_checkpoint latest_checkpoint list_checkpoints checkpoint_path resumable
     export_model export_checkpoint load_exported CheckpointError
     fit FitResult FitState RankSteps evaluate Callback CSVLogger TensorBoardLogger EarlyStopping KeepBest Preemption
+    FitCheckpoints FitValidation
     find_lr LRRangeTest Profiler plot_traces WandbLogger MLflowLogger
     profile_loader input_bound tune_loader loader_report SyntheticDataset StepTimer
     bench_matmul bench_memory bench_collectives bench_model bench_scaling bench_all cost_per_experiment BenchResult

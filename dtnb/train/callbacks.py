@@ -8,7 +8,8 @@ Docs: https://dtnb-dev.github.io/dtnb/train.callbacks.html.md"""
 from __future__ import annotations
 import csv, json, os, signal, subprocess, threading, warnings
 from pathlib import Path
-from .checkpoint import save_checkpoint, checkpoint_path
+from .checkpoint import save_checkpoint
+from .checkpoint_format import checkpoint_path
 from ..core.dist import rank
 from ..core.logs import get_logger, UsageWarning
 

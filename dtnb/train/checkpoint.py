@@ -6,158 +6,21 @@ Docs: https://dtnb-dev.github.io/dtnb/train.checkpoint.html.md"""
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c002
 from __future__ import annotations
-import io, os, re, json, time, uuid, zlib, shutil, warnings, contextlib
-from ..core.logs import CheckpointWarning
-from dataclasses import dataclass, field
+import io, os, json, uuid, shutil, contextlib
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
-import torch, xxhash
-from torch import nn
-from ..core.utils import md_table, text_table
+import torch
 from ..core.dist import dist_or_none, rank_world, all_gather_objects, agree
 from .resume_state import rng_state, check_loadable
 from ..parallel.heads import original_layout
+from .checkpoint_format import CheckpointError, MARKER, rank_file, new_marker, quiet, Checksum, file_checksum
+from .checkpoint_format import state_dicts, local_shapes, merge_shapes, live_buffers, prune_checkpoints
+from .checkpoint_format import checkpoint_path, list_checkpoints, latest_checkpoint  # re-exported for users
 
 # %% auto #0
-__all__ = ['FORMAT', 'VERSION', 'MARKER', 'CHECKSUM', 'CheckpointError', 'checkpoint_path', 'rank_file', 'quiet', 'state_dicts',
-           'set_state', 'local_shapes', 'merge_shapes', 'global_shapes', 'live_buffers', 'file_checksum', 'load_pt',
-           'AsyncSave', 'save_checkpoint', 'wait_pending', 'read_marker', 'looks_like_checkpoint', 'CheckpointList',
-           'list_checkpoints', 'latest_checkpoint', 'prune_checkpoints']
-
-# %% ../../nbs/05b_train.checkpoint.ipynb #c006
-FORMAT, VERSION, MARKER = 'dtnb-checkpoint', 2, '.complete'
-CHECKSUM = 'xxh3_64'  # of every file, in the marker (format 2); format 1 markers hold zlib's CRC32 ('crc32')
-
-class CheckpointError(RuntimeError):
-    "A checkpoint that is incomplete, damaged, unsafe, or does not match the model it is loaded into"
-
-def checkpoint_path(root, step:int) -> Path:
-    "The conventional place of the checkpoint of `step` under `root`: root/step_00000042"
-    return Path(root) / f"step_{int(step):08d}"
-
-def rank_file(r:int) -> str: return f"rank_{r:05d}.pt"
-
-# %% ../../nbs/05b_train.checkpoint.ipynb #c008
-@contextlib.contextmanager
-def quiet():
-    "Silence DCP's warning that it runs in one process: here that is intended"
-    with warnings.catch_warnings():
-        warnings.filterwarnings('ignore', message='torch.distributed is (disabled|unavailable)')
-        yield
-
-# %% ../../nbs/05b_train.checkpoint.ipynb #c010
-def _options(**kw):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    return StateDictOptions(flatten_optimizer_state_dict=True, **kw)
-
-class _Stages(nn.ModuleList):
-    "Several pipeline stages held by one rank, as one module for get_state_dict (keys are renamed back afterwards)"
-
-def _module(model) -> nn.Module:
-    "The nn.Module holding this rank's parameters: the model, or the stage(s) of a pipeline (its `.modules` list)"
-    if isinstance(model, nn.Module): return model
-    mods = getattr(model, 'modules', None)
-    if isinstance(mods, (list, tuple)) and mods and all(isinstance(m, nn.Module) for m in mods):
-        return mods[0] if len(mods) == 1 else _Stages(mods)
-    raise TypeError("checkpoints need the model as an nn.Module (plain, DDP or FSDP) or a dtnb pipeline; "
-                    f"got {type(model).__name__}")
-
-def _unprefix(kind, key):
-    "Drop the _Stages index from a key: '1.layers.2.up.weight' -> 'layers.2.up.weight'; 'state.1.x' -> 'state.x'"
-    if kind == 'model': return key.split('.', 1)[1]
-    head, _, rest = key.split('.', 2)
-    return f"{head}.{rest}"
-
-def _local_optimizer(optimizer):
-    "ZeRO-1's ZeroRedundancyOptimizer: its local optimizer over this rank's share (the ranks' keys do not overlap)"
-    return optimizer.optim if hasattr(optimizer, 'consolidate_state_dict') else optimizer
-
-def state_dicts(model, optimizer=None, **options) -> tuple[dict, dict|None]:
-    "This rank's {'model': ..., 'optim': ...} keyed by parameter name, and the renaming to undo (pipeline stages)"
-    from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
-    m, optimizer = _module(model), _local_optimizer(optimizer)
-    if optimizer is None: sd = {'model': get_model_state_dict(m, options=_options(**options))}
-    else:
-        msd, osd = get_state_dict(m, optimizer, options=_options(**options))
-        sd = {'model': msd, 'optim': osd}
-    if not isinstance(m, _Stages): return sd, None
-    back = {(kind, _unprefix(kind, k)): k for kind, d in sd.items() for k in d}
-    return {kind: {_unprefix(kind, k): v for k, v in d.items()} for kind, d in sd.items()}, back
-
-def set_state(model, optimizer, sd, back):
-    "Put a state from `state_dicts` (now loaded) back into the model and optimizer"
-    from torch.distributed.checkpoint.state_dict import set_state_dict, set_model_state_dict
-    if back: sd = {kind: {back[(kind, k)]: v for k, v in d.items()} for kind, d in sd.items()}
-    m = _module(model)
-    if optimizer is None: set_model_state_dict(m, sd['model'], options=_options())
-    else:
-        local = _local_optimizer(optimizer)
-        set_state_dict(m, local, model_state_dict=sd['model'], optim_state_dict=sd['optim'], options=_options())
-        if local is not optimizer:  # ZeRO-1 steps with its own param_groups (lr ...): give them the loaded values
-            for mine, loaded in zip(optimizer.param_groups, local.param_groups):
-                mine.update({k: v for k, v in loaded.items() if k != 'params'})
-
-def local_shapes(sd:dict) -> dict:
-    "{kind: {key: shape, or None for a non-tensor}} of this rank's state (global shapes: DTensors report theirs)"
-    return {kind: {k: list(v.shape) if isinstance(v, torch.Tensor) else None for k, v in d.items()}
-            for kind, d in sd.items()}
-
-def merge_shapes(parts) -> dict:
-    "Several ranks' `local_shapes` as one (pipeline stages hold different keys)"
-    out = {}
-    for part in parts:
-        for kind, d in part.items(): out.setdefault(kind, {}).update(d)
-    return out
-
-def global_shapes(sd:dict) -> dict:
-    "{kind: {key: global shape, or None for a non-tensor}}, merged over all ranks. A collective"
-    return merge_shapes(all_gather_objects(local_shapes(sd)))
-
-# %% ../../nbs/05b_train.checkpoint.ipynb #b3bd8c2f
-def _is_dtensor(t): return type(t).__name__ == 'DTensor'
-
-def live_buffers(model, sd:dict|None=None) -> dict:
-    "{state-dict key: tensor} of the buffers `model` holds whole on this rank (not sharded), aliasing them"
-    m = _module(model)
-    held = {b.data_ptr() for b in m.buffers() if b.numel() and not _is_dtensor(b)}
-    sd = sd or state_dicts(model)[0]  # `sd`: this model's state_dicts, not a copy
-    return {k: v for k, v in sd['model'].items()
-            if isinstance(v, torch.Tensor) and not _is_dtensor(v) and v.numel() and v.data_ptr() in held}
-
-def _rank0_buffers(sd:dict, mine:dict, parts:list, group=None) -> dict:
-    "Put rank 0's value of every buffer all ranks hold into `sd` (copies); return this rank's own that differ"
-    d = dist_or_none()
-    if d is None or len(parts) == 1: return {}
-    groups, own = {}, {}  # buffers every rank holds alike (not a pipeline stage's own), by dtype and device type
-    for k in sorted(k for k in mine if all(p.get(k) == mine[k] for p in parts)):
-        v = sd['model'][k]; groups.setdefault((v.dtype, v.device.type), []).append(k)
-    for ks in groups.values():  # one broadcast per group, not one per buffer (a ResNet-50 has 160)
-        flat = torch.cat([sd['model'][k].detach().reshape(-1) for k in ks])
-        d.broadcast(flat, 0, group=group)
-        for k, t in zip(ks, flat.split([sd['model'][k].numel() for k in ks])):
-            v = sd['model'][k]
-            if not torch.equal(t.view_as(v), v): own[k] = v.detach().cpu().clone()
-            sd['model'][k] = t.view_as(v).clone()
-    return own
+__all__ = ['AsyncSave', 'save_checkpoint', 'wait_pending']
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c027
-class _Sum:
-    "A running checksum: xxh3_64 as 16 hex digits (format 2, about 10× zlib's CRC32 on a CPU), or CRC32 (format 1)"
-    def __init__(self, kind:str=CHECKSUM):
-        if kind not in ('xxh3_64', 'crc32'): raise CheckpointError(f"unknown checksum {kind!r}: upgrade dtnb")
-        self.h, self.crc = (xxhash.xxh3_64() if kind == 'xxh3_64' else None), 0
-    def update(self, b):
-        if self.h is None: self.crc = zlib.crc32(b, self.crc)
-        else: self.h.update(b)
-    def value(self): return self.crc if self.h is None else self.h.hexdigest()
-
-def file_checksum(path, kind:str=CHECKSUM):
-    "The checksum of a file: xxh3_64 (hex), or zlib's CRC32 with `kind='crc32'` (the markers of format 1)"
-    s, buf = _Sum(kind), bytearray(1 << 20)  # 1 MiB: hashed while still in the cache
-    with open(path, 'rb', buffering=0) as f:
-        while n := f.readinto(buf): s.update(memoryview(buf)[:n])
-    return s.value()
-
 def _fsync(path):
     fd = os.open(path, os.O_RDONLY)
     try: os.fsync(fd)
@@ -168,7 +31,7 @@ def _fsync_dir(p):
 
 class _Summing:
     "A file being written that keeps the checksum of the bytes written through it (no reading back to hash them)"
-    def __init__(self, f): self.f, self.sum = f, _Sum()
+    def __init__(self, f): self.f, self.sum = f, Checksum()
     def write(self, b):
         self.sum.update(b)
         return self.f.write(b)
@@ -182,7 +45,7 @@ def _pt_bytes(obj) -> bytes:
 def _write_file(data:bytes, path, sums:dict):
     "Write `data` (fsynced by the caller, beside DCP's writes); its checksum into `sums`"
     with open(path, 'wb') as f: f.write(data)
-    s = _Sum(); s.update(data); sums[Path(path).name] = s.value()
+    s = Checksum(); s.update(data); sums[Path(path).name] = s.value()
 
 _FILES = '\0dtnb: files'  # the WriteResult that carries a rank's {file: [size, checksum]} to DCP's coordinator
 
@@ -231,13 +94,6 @@ def _summing_writer(path, sums:dict, zip_crc:bool=True, local=None, commit=None)
     if isinstance(getattr(writer, 'fs', None), FileSystem): writer.fs = _Fs()  # else: the files are read to hash
     return writer
 
-def load_pt(path):
-    "torch.load with weights_only=True: tensors, numbers, strings and containers of them; nothing else is run"
-    try: return torch.load(path, map_location='cpu', weights_only=True)
-    except FileNotFoundError: raise CheckpointError(f"{path} is missing: the checkpoint is incomplete") from None
-    except Exception as e: raise CheckpointError(f"{path} cannot be read safely ({type(e).__name__}: "
-                                                 f"{str(e).splitlines()[0][:300]})") from None
-
 # %% ../../nbs/05b_train.checkpoint.ipynb #c029
 def _commit(tmp:Path, path:Path, meta:dict, files:dict, keep:int|None):
     "Write the marker into `tmp`, then rename it to `path`: the checkpoint now exists (rank 0 only); then prune"
@@ -285,6 +141,7 @@ def _write(path:Path, sd:dict, bufs:dict, rankfile:dict, extra:bytes|None, meta:
         if r == 0 or hasattr(e, 'failures'):  # DCP's verdict: rank 0 will not commit (a host's own disk holds a part)
             shutil.rmtree(tmp, ignore_errors=True)
         raise _save_error(path, e) from e
+
 
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c030
@@ -346,12 +203,30 @@ def save_checkpoint(path,                        # directory to create, e.g. che
     sd = original_layout(model, state_dicts(model, optimizer)[0])  # fused layers split by heads: in the model's order
     bufs = {k: (list(v.shape), str(v.dtype)) for k, v in live_buffers(model, sd).items()}
     rankfile = dict(rank=r, world_size=ws, rng=rng_state(), data=loader.state_dict() if loader is not None else None)
-    meta = dict(format=FORMAT, version=VERSION, checksum=CHECKSUM, step=int(step), world_size=ws,
-                saved_at=time.time(), torch=torch.__version__, extra=sorted(extra))
+    meta = new_marker(step, ws, extra)
     args = (rankfile, _pt_bytes(extra) if r == 0 else None, meta, keep)
     if async_save: return AsyncSave(path, sd, bufs, *args)
     _write(path, sd, bufs, *args, zip_crc=False)  # the caller waits: no CRC32 (_summing_writer)
     return path
+
+# %% ../../nbs/05b_train.checkpoint.ipynb #c006
+def _rank0_buffers(sd:dict, mine:dict, parts:list, group=None) -> dict:
+    "Put rank 0's value of every buffer all ranks hold into `sd` (copies); return this rank's own that differ"
+    d = dist_or_none()
+    if d is None or len(parts) == 1: return {}
+    groups, own = {}, {}  # buffers every rank holds alike (not a pipeline stage's own), by dtype and device type
+    for k in sorted(k for k in mine if all(p.get(k) == mine[k] for p in parts)):
+        v = sd['model'][k]; groups.setdefault((v.dtype, v.device.type), []).append(k)
+    for ks in groups.values():  # one broadcast per group, not one per buffer (a ResNet-50 has 160)
+        flat = torch.cat([sd['model'][k].detach().reshape(-1) for k in ks])
+        d.broadcast(flat, 0, group=group)
+        for k, t in zip(ks, flat.split([sd['model'][k].numel() for k in ks])):
+            v = sd['model'][k]
+            if not torch.equal(t.view_as(v), v): own[k] = v.detach().cpu().clone()
+            sd['model'][k] = t.view_as(v).clone()
+    return own
+
+
 
 # %% ../../nbs/05b_train.checkpoint.ipynb #c033
 _PENDING, _ASYNC_GROUPS = [], {}
@@ -366,85 +241,3 @@ def _async_group():
 
 def wait_pending():
     for a in list(_PENDING): a.wait()
-
-# %% ../../nbs/05b_train.checkpoint.ipynb #c038
-def _incomplete(p:Path, why:str) -> CheckpointError:
-    e = CheckpointError(f"{p}: {why}")
-    e.why = why
-    return e
-
-def read_marker(p:Path) -> dict:
-    "The parsed marker of checkpoint directory `p`, or a CheckpointError saying why it is not complete"
-    if '.tmp-' in p.name: raise _incomplete(p, "an interrupted save (temporary name, never committed)")
-    f = p / MARKER
-    if not f.exists():
-        raise _incomplete(p, f"no {MARKER} marker: the save that wrote it did not finish "
-                             "(or it is not a dtnb checkpoint)")
-    try: meta = json.loads(f.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _incomplete(p, f"its {MARKER} marker is damaged (not valid JSON: {e})") from None
-    if (not isinstance(meta, dict) or meta.get('format') != FORMAT
-            or not {'step', 'world_size', 'model', 'files'} <= set(meta)):
-        raise _incomplete(p, f"its {MARKER} marker is not a {FORMAT} marker (or it is damaged)")
-    if meta.get('version', 0) > VERSION:
-        raise _incomplete(p, f"written by a newer dtnb (format {meta['version']} > {VERSION}): upgrade dtnb")
-    meta.setdefault('checksum', 'crc32')  # format 1: zlib's CRC32 of every file
-    return meta
-
-def looks_like_checkpoint(p:Path) -> bool:
-    return '.tmp-' in p.name or (p / MARKER).exists() or (p / '.metadata').exists() or any(p.glob('rank_*.pt'))
-
-# %% ../../nbs/05b_train.checkpoint.ipynb #c039
-@dataclass
-class CheckpointList:
-    "The checkpoints in a directory: complete ones, oldest first, and partial ones with the reason"
-    root: str
-    complete: list = field(default_factory=list)  # dicts: step, path, ranks, saved_at, bytes
-    partial: list = field(default_factory=list)   # dicts: path, why
-
-    @property
-    def latest(self) -> Path|None: return Path(self.complete[-1]['path']) if self.complete else None
-    def to_dict(self): return dict(root=self.root, complete=self.complete, partial=self.partial)
-    def _rows(self):
-        ok = [(Path(c['path']).name, c['step'], c['ranks'], f"{c['bytes'] / 2**20:.2f} MiB",
-               time.strftime('%H:%M:%S', time.localtime(c['saved_at'])), 'complete')
-              for c in self.complete]
-        return ok + [(Path(c['path']).name, '-', '-', '-', '-', 'partial: ' + c['why']) for c in self.partial]
-    _cols = ('checkpoint', 'step', 'ranks', 'size', 'saved', 'state')
-    def _repr_markdown_(self): return f"**{self.root}**\n\n" + md_table(self._cols, self._rows())
-    def __str__(self): return f"{self.root}\n" + text_table(self._cols, self._rows())
-
-def list_checkpoints(root) -> CheckpointList:
-    "Complete and partial checkpoints in directory `root`"
-    root, out = Path(root), CheckpointList(str(root))
-    if not root.is_dir(): return out
-    for p in sorted(root.iterdir()):
-        if not p.is_dir() or not looks_like_checkpoint(p): continue
-        try: m = read_marker(p)
-        except CheckpointError as e:
-            out.partial.append(dict(path=str(p), why=e.why)); continue
-        out.complete.append(dict(step=m['step'], path=str(p), ranks=m['world_size'], saved_at=m.get('saved_at', 0),
-                                 bytes=sum(s for s, _ in m['files'].values())))
-    out.complete.sort(key=lambda c: (c['step'], c['saved_at']))
-    return out
-
-# %% ../../nbs/05b_train.checkpoint.ipynb #c040
-def latest_checkpoint(root, warn:bool=True) -> Path|None:
-    "The newest complete checkpoint in `root` (None if there is none); warns about partial ones it skipped"
-    cl = list_checkpoints(root)
-    if warn and cl.partial and rank_world()[0] == 0:
-        warnings.warn(f"skipped {len(cl.partial)} partial checkpoint(s) in {root}: " +
-                      '; '.join(f"{Path(c['path']).name} ({c['why']})" for c in cl.partial),
-                      CheckpointWarning, stacklevel=2)
-    return cl.latest
-
-def prune_checkpoints(root, keep:int, protect=None) -> list:
-    "Delete all but the newest `keep` complete checkpoints in `root` (never `protect`), and older interrupted saves"
-    cl = list_checkpoints(root)
-    doomed = [c['path'] for c in cl.complete[:-keep] if protect is None or Path(c['path']) != Path(protect)]
-    newest = cl.complete[-1]['step'] if cl.complete else None
-    for c in cl.partial:
-        m = re.fullmatch(r'step_(\d+)\.tmp-[0-9a-f]+', Path(c['path']).name)
-        if m and newest is not None and int(m.group(1)) < newest: doomed.append(c['path'])
-    for p in doomed: shutil.rmtree(p, ignore_errors=True)
-    return doomed

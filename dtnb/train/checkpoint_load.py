@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 from ..core.utils import md_table, text_table, cache
 from .resume_state import set_rng_state
-from .checkpoint import MARKER, CheckpointError, quiet, state_dicts, read_marker, list_checkpoints, latest_checkpoint
 from ..core.dist import dist_or_none, rank_world, all_gather_objects
-from .checkpoint import file_checksum, load_pt, rank_file, wait_pending, set_state, looks_like_checkpoint
-from .checkpoint import live_buffers, local_shapes, merge_shapes
+from .checkpoint_format import CheckpointError, rank_file, quiet, file_checksum, load_pt, read_marker
+from .checkpoint_format import looks_like_checkpoint, list_checkpoints, latest_checkpoint
+from .checkpoint_format import state_dicts, set_state, local_shapes, merge_shapes, live_buffers
+from .checkpoint import wait_pending  # a load first waits for this process's background saves
 from ..parallel.heads import load_original
 
 # %% auto #0
@@ -172,6 +173,7 @@ def latest_everywhere(root) -> Path|None:
             f"rank {i}: {Path(f).name if f else 'none'}" for i, f in enumerate(found)) + "): resume from a "
             "directory every host shares (NFS, Lustre, ...)")
     return last
+
 
 
 # %% ../../nbs/05c_train.checkpoint_load.ipynb #0927e270

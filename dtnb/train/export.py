@@ -10,7 +10,7 @@ import os, uuid
 from pathlib import Path
 import torch
 from torch import nn
-from .checkpoint import CheckpointError, quiet, state_dicts, read_marker
+from .checkpoint_format import CheckpointError, quiet, state_dicts, read_marker
 from ..core.dist import dist_or_none, rank_world, all_gather_objects, agree
 from .checkpoint_load import resolve, verify_checkpoint, check_metadata, safe_dcp, mismatch
 from ..parallel.heads import original_rows

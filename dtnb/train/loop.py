@@ -20,14 +20,13 @@ from ..core.models import find_blocks
 from ..core.state import get_state
 from ..parallel.fsdp import check_optimizer
 from .resume_state import resumable, batches_served
-from .checkpoint import save_checkpoint, checkpoint_path
-from ..core.logs import get_logger, CheckpointWarning, UsageWarning
-from .checkpoint_load import load_checkpoint, latest_everywhere
+from ..core.logs import get_logger, UsageWarning
+from .fit_checkpoints import FitCheckpoints, HISTORY
 from .stragglers import watch_ranks
 from .callbacks import Preemption
 
 # %% auto #0
-__all__ = ['FitResult', 'FitState', 'fit']
+__all__ = ['FitResult', 'FitValidation', 'FitState', 'fit']
 
 # %% ../../nbs/05f_train.loop.ipynb #c007
 @dataclass
@@ -71,6 +70,110 @@ class FitResult:
              'last validation')
     def _repr_markdown_(self): return md_table(self._cols, self._rows()) + f"\n\n{self.ranks.verdict}"*bool(self.ranks)
     def __str__(self): return text_table(self._cols, self._rows()) + (f"\n{self.ranks.verdict}" if self.ranks else '')
+
+# %% ../../nbs/05f_train.loop.ipynb #d0ca3f81
+@dataclass
+class FitValidation:
+    "`fit`'s validation: the batches, the metrics, every how many 'epoch's or 'step's"
+    loader: object = None      # validation batches (a `distributed_loader(..., shuffle=False)` under DDP/FSDP)
+    metrics: object = None     # metric(predictions, targets) callables (or torchmetrics objects): list or dict
+    every: int = 1             # validate every `every` ...
+    interval: str = 'epoch'    #   ... 'epoch's or 'step's
+    def __post_init__(self):
+        if self.interval not in ('step', 'epoch'):
+            raise ValueError(f"FitValidation: interval={self.interval!r}: choose 'step' or 'epoch'")
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"FitValidation: every={self.every!r} must be a whole number of {self.interval}s >= 1")
+    def due(self, interval, n): return self.loader is not None and interval == self.interval and n % self.every == 0
+
+def _group(given, cls, flat:dict):
+    "An option group of `fit`: the record given, or the one its shorthand keywords make; not both"
+    if given is None: return cls(*flat.values())
+    name = cls.__name__.lower()[3:]  # fit's keyword: checkpoints=, validation=
+    if not isinstance(given, cls): raise TypeError(f"{name}= takes a {cls.__name__}(...), got {type(given).__name__}")
+    if said := [f"{k}=" for k, v in flat.items() if v is not None]:
+        raise ValueError(f"pass {' and '.join(said)} or {name}={cls.__name__}(...), not both: the record holds them")
+    return given
+
+# %% ../../nbs/05f_train.loop.ipynb #73eacf9a
+@dataclass
+class FitState:
+    "What a callback sees: model, optimizer, where training is, the history so far; set `stop` to end training"
+    model: object
+    optimizer: object
+    result: FitResult
+    step: int = 0            # optimizer steps done, from the start of training: fit's one step counter
+    epoch: int = 0           # epochs ended
+    metrics: dict = field(default_factory=dict)  # the last validation: step, epoch, val_loss, metrics
+    metric_names: list = field(default_factory=list)  # the names a validation reports (empty: no validation)
+    stop: str = ''           # a reason to stop: fit ends at the next log_every step (or validation), on every rank
+    checkpoint_dir: str|None = None  # where fit writes its own checkpoints (None: it writes none)
+
+    @property
+    def is_main(self) -> bool: return is_main()
+
+# %% ../../nbs/05f_train.loop.ipynb #cf157c9e
+def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a pipeline with `.step(x, y)`
+        loader,                    # yields batches: (inputs, targets), dicts, or anything a `step_fn` takes
+        optimizer:torch.optim.Optimizer,
+        loss_fn=None,              # loss_fn(predictions, targets); None: the model's `.loss`, else mse_loss if it fits
+        *, epochs:int=1,
+        max_steps:int|None=None,   # stop after this many optimizer steps (counted from the start of training)
+        accumulate:int=1,          # micro-batches per optimizer step
+        precision:str=DEFAULT_PRECISION,  # a name of `PRECISIONS`: 'fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true'
+        clip:float|None=None,      # max gradient norm
+        scheduler=None,            # a learning-rate scheduler, stepped every `scheduler_interval`
+        scheduler_interval:str='step',  # step the scheduler after every 'step', or at the end of every 'epoch'
+        step_fn=None,              # step_fn(model, batch) -> loss, or (loss, predictions, targets): any batch
+        keys:tuple|None=None,      # dict batches: (input key, target key), e.g. ('image', 'label')
+        checkpoint_dir=None,       # save checkpoints here, resume from the newest one: FitCheckpoints(checkpoint_dir,
+        checkpoint_every:int|None=None,  #   checkpoint_every): every this many steps and at the end (None: at the end)
+        checkpoints:FitCheckpoints|None=None,  # or where, how often, how many, in the background
+        val_loader=None,           # validate on these batches after every epoch: FitValidation(val_loader, metrics)
+        metrics=None,              #   with these metric(predictions, targets) callables (or torchmetrics): list, dict
+        validation:FitValidation|None=None,    # or the batches, the metrics, every how many epochs or steps
+        callbacks=(),              # objects with on_fit_start/on_step_end/on_validation_end/on_fit_end(state)
+        progress:bool=True,        # progress on the main rank: a bar, or lines under launch/torchrun
+        log_every:int=10,          # every this many steps: history flushed, grad norm measured (no clip), stops agreed
+        compile:bool|dict=False,   # torch.compile each block, after wrapping; a dict: torch.compile's options
+        ) -> FitResult:
+    "Train `model` on `loader`; returns per-step losses (mean over ranks), lr, grad norm, validations and throughput"
+    checkpoints = _group(checkpoints, FitCheckpoints, dict(checkpoint_dir=checkpoint_dir,
+                                                             checkpoint_every=checkpoint_every))
+    validation = _group(validation, FitValidation, dict(val_loader=val_loader, metrics=metrics))
+    loss = BatchLoss(loss_fn, step_fn, keys)  # refuses a step_fn beside loss_fn or keys, as every entry point does
+    _check_args(accumulate, log_every, scheduler, scheduler_interval, loader)
+    precision, device, kind = fit_precision(model, precision), current_device(), _kind(model)
+    _check_setup(model, optimizer, loader, validation, kind, precision, device, step_fn)
+    _place(model, optimizer, device, kind)
+    if compile: _compile(model, kind, compile if isinstance(compile, dict) else None)
+
+    callbacks = list(callbacks or ())  # + a Preemption with checkpoints: SIGTERM saves, under SLURM SIGUSR1 requeues
+    if checkpoints.dir is not None and not any(isinstance(c, Preemption) for c in callbacks):
+        callbacks.append(Preemption())
+    names = ['val_loss', *as_metrics(validation.metrics)] if validation.loader is not None else []
+    state = FitState(model, optimizer, FitResult(strategy=_strategy(model)), checkpoint_dir=checkpoints.dir,
+                     metric_names=names)
+    run = _Run(state, loader, kind, device, precision, loss=loss, accumulate=accumulate, clip=clip,
+               scheduler=scheduler, scheduler_interval=scheduler_interval, checkpoints=checkpoints,
+               validation=validation, hooks=_hooks(callbacks), log_every=log_every,
+               scaler=torch.amp.GradScaler(device.type) if precision == 'fp16-mixed' else None,
+               dp=getattr(model, 'data_parallel_size', None) or world_size(),
+               params=list(model.parameters()) if isinstance(model, nn.Module) else None)
+    first = _restore(run)              # the loader's epoch to go on in (0 on a fresh start)
+    ended = state.epoch > first        # a checkpoint taken after that epoch's end was handled
+    run.bar = _progress(progress, run.loader, epochs, max_steps, accumulate, state.step)
+    run.stoppable, run.t0 = any_rank(any(run.hooks.values())), time.perf_counter()
+    watch_ranks(run.hooks, log_every, progress)  # several ranks: a slower one named with its cause (train.stragglers)
+
+    try:
+        run.call('on_fit_start')
+        done = lambda: max_steps is not None and state.step >= max_steps
+        for group in _batches(run.loader, epochs - first, accumulate, done, state.result, ended) if not done() else ():
+            if _train_step(run, group) if group is not None else _end_epoch(run): break
+        return _finish(run)
+    finally:  # signal handlers as before fit, also after an error
+        for c in callbacks: isinstance(c, Preemption) and c.restore()
 
 # %% ../../nbs/05f_train.loop.ipynb #c010
 def _at_end(loader, served) -> bool:
@@ -119,47 +222,6 @@ def _reduce(losses, norms, kind) -> tuple[list, list]:
     for i, v in zip(given, t[k:].tolist()): full[i] = v
     return ([float(l) for l in losses] if kind == 'pipeline' else t[:k].tolist()), full  # a pipeline's: the batch's
 
-# %% ../../nbs/05f_train.loop.ipynb #c012
-_HISTORY = ('losses', 'lrs', 'grad_norms')
-_SCHEDULED = {'lr', 'initial_lr', 'betas', 'momentum', 'max_lr', 'min_lr', 'max_momentum', 'base_momentum'}
-
-def _hyper(optimizer, scheduler) -> list:
-    "Each parameter group's hyperparameters (lr, weight_decay...); not those a scheduler may set (lr, betas...)"
-    skip = {'params'} | (_SCHEDULED if scheduler is not None else set())
-    return [{k: v for k, v in g.items() if k not in skip and isinstance(v, (int, float, str, tuple))}
-            for g in optimizer.param_groups]
-
-def _warn_changed(mine, theirs, path):
-    diff = sorted({f"{k}={a[k]!r} (checkpoint: {b.get(k)!r})" for a, b in zip(mine, theirs) for k in a
-                   if b.get(k) != a[k]})
-    if diff and is_main():
-        warnings.warn(f"resumed from {path}: this run's optimizer has {', '.join(diff)}; the checkpoint's values "
-                      "won (an exact resume). To train on with new values, set them in optimizer.param_groups from "
-                      "a callback's on_fit_start, or start a new checkpoint_dir", CheckpointWarning, stacklevel=3)
-
-def _resume(checkpoint_dir, model, optimizer, loader, scheduler, scaler) -> tuple[int, dict, str]:
-    "Load the newest complete checkpoint in `checkpoint_dir`, if any; returns (its step, the history so far, its path)"
-    if (last := latest_everywhere(checkpoint_dir)) is None: return 0, {}, ''  # the same on every rank
-    mine = _hyper(optimizer, scheduler)
-    ck = load_checkpoint(last, model, optimizer, loader=loader)
-    state = ck.extra.get('fit', {})
-    if scheduler is not None and 'scheduler' in state: scheduler.load_state_dict(state['scheduler'])
-    if scaler is not None and 'scaler' in state: scaler.load_state_dict(state['scaler'])
-    _warn_changed(mine, _hyper(optimizer, scheduler), last)
-    hist = {k: state[k].tolist() for k in _HISTORY if k in state}
-    return ck.step, dict(hist, validations=list(state.get('validations', [])),
-                         epochs_done=int(state.get('epochs_done', 0))), str(last)
-
-def _checkpoint(checkpoint_dir, step, model, optimizer, loader, scheduler, scaler, result, epochs_done, keep,
-                async_save):
-    "Save the state of training at `step` (a collective); returns the path, or the AsyncSave of a background save"
-    state = {k: torch.tensor(getattr(result, k), dtype=torch.float64) for k in _HISTORY}
-    state.update(validations=list(result.validations), epochs_done=epochs_done)
-    if callable(getattr(scheduler, 'state_dict', None)): state['scheduler'] = scheduler.state_dict()
-    if scaler is not None: state['scaler'] = scaler.state_dict()
-    return save_checkpoint(checkpoint_path(checkpoint_dir, step), model, optimizer, step=step, loader=loader,
-                           keep=keep, async_save=async_save, fit=state)
-
 # %% ../../nbs/05f_train.loop.ipynb #c013
 def _place(model, optimizer, device, kind):
     "Move a plain nn.Module to `device` (in place: same parameter objects); refuse if the optimizer already has state"
@@ -181,36 +243,15 @@ def _progress(progress, loader, epochs, max_steps, accumulate, start=0, lines=No
     return StepProgress(progress and is_main(), total, start, lines, say=get_logger('dtnb.train.loop').info)
 
 # %% ../../nbs/05f_train.loop.ipynb #cc0a4a82
-@dataclass
-class _Checkpoints:
-    "`fit`'s checkpoints of training state: where, every how many steps, how many kept, written in the background"
-    dir: object = None
-    every: int|None = None
-    keep: int|None = 2
-    async_save: bool = False
-    def due(self, step) -> bool: return self.dir is not None and bool(self.every) and step % self.every == 0
-
-@dataclass
-class _Validation:
-    "`fit`'s validation: the batches, the metrics, every how many 'epoch's or 'step's"
-    loader: object = None
-    metrics: object = None
-    every: int = 1
-    interval: str = 'epoch'
-    def due(self, interval, n): return self.loader is not None and interval == self.interval and n % self.every == 0
-
-def _check_args(accumulate, log_every, checkpoints, validation, scheduler, scheduler_interval, loader, step_fn,
-                loss_fn, keys):
+def _check_args(accumulate, log_every, scheduler, scheduler_interval, loader):
     if accumulate < 1: raise ValueError(f"accumulate={accumulate} must be >= 1")
-    for name, v in (('checkpoint_every', checkpoints.every), ('val_every', validation.every), ('log_every', log_every)):
-        if v is not None and (not isinstance(v, int) or v < 1):
-            raise ValueError(f"{name}={v!r} must be a whole number of steps >= 1")
-    for name, v in (('scheduler_interval', scheduler_interval), ('val_interval', validation.interval)):
-        if v not in ('step', 'epoch'): raise ValueError(f"{name}={v!r}: choose 'step' or 'epoch'")
+    if not isinstance(log_every, int) or log_every < 1:
+        raise ValueError(f"log_every={log_every!r} must be a whole number of steps >= 1")
+    if scheduler_interval not in ('step', 'epoch'):
+        raise ValueError(f"scheduler_interval={scheduler_interval!r}: choose 'step' or 'epoch'")
     if scheduler is not None and scheduler_interval == 'epoch' and not hasattr(loader, '__len__'):
         raise ValueError("scheduler_interval='epoch' needs a loader with a length, so that an epoch has an end: give "
                          "the loader a __len__, or step the schedule per 'step'")
-    BatchLoss(loss_fn, step_fn, keys)  # refuses a step_fn beside loss_fn or keys, as every entry point does
 
 def _check_setup(model, optimizer, loader, validation, kind, precision, device, step_fn):
     "What `fit` checks of its model, loaders and optimizer before any work"
@@ -240,22 +281,6 @@ def _compile(model, kind, options=None) -> list:
     return blocks
 
 # %% ../../nbs/05f_train.loop.ipynb #aecf5fad
-@dataclass
-class FitState:
-    "What a callback sees: model, optimizer, where training is, the history so far; set `stop` to end training"
-    model: object
-    optimizer: object
-    result: FitResult
-    step: int = 0            # optimizer steps done, from the start of training: fit's one step counter
-    epoch: int = 0           # epochs ended
-    metrics: dict = field(default_factory=dict)  # the last validation: step, epoch, val_loss, metrics
-    metric_names: list = field(default_factory=list)  # the names a validation reports (empty: no validation)
-    stop: str = ''           # a reason to stop: fit ends at the next log_every step (or validation), on every rank
-    checkpoint_dir: str|None = None  # where fit writes its own checkpoints (None: it writes none)
-
-    @property
-    def is_main(self) -> bool: return is_main()
-
 def _hooks(callbacks) -> dict:
     "{hook: the callbacks' methods for it}, looked up once: a hook no callback has costs nothing per step"
     return {h: [f for cb in callbacks or () if (f := getattr(cb, h, None)) is not None]
@@ -269,15 +294,13 @@ class _Run:
     kind: str                 # how fit drives the model: 'ddp', 'fsdp', 'pipeline' or 'single'
     device: torch.device
     precision: str
-    loss_fn: object
-    step_fn: object
-    keys: tuple|None
+    loss: BatchLoss           # how a batch becomes a loss: loss_fn, or step_fn; keys
     accumulate: int
     clip: float|None
     scheduler: object
     scheduler_interval: str
-    checkpoints: _Checkpoints
-    validation: _Validation
+    checkpoints: FitCheckpoints
+    validation: FitValidation
     hooks: dict               # `_hooks(callbacks)`
     log_every: int
     scaler: object = None     # fp16's GradScaler
@@ -289,7 +312,11 @@ class _Run:
     saving: object = None     # the last checkpoint's AsyncSave (a background save), waited for at the end
     t0: float = 0.0
 
-    def forward(self, model, batch): return forward_loss(model, batch, self.loss_fn, self.step_fn, self.keys)
+    @property
+    def keys(self): return self.loss.keys
+    def forward(self, model, batch):
+        l = self.loss
+        return forward_loss(model, batch, l.loss_fn, l.step_fn, l.keys)
     def call(self, hook):
         for f in self.hooks[hook]: f(self.state)
 
@@ -312,8 +339,8 @@ def _validate(run) -> bool:
     "Validate on every rank, record it and tell the callbacks; returns whether to stop"
     _flush(run)
     s, v = run.state, run.validation
-    s.metrics = dict(step=s.step, epoch=s.epoch, **evaluate(s.model, v.loader, run.loss_fn, v.metrics,
-                     step_fn=run.step_fn, keys=run.keys, precision=run.precision))
+    s.metrics = dict(step=s.step, epoch=s.epoch, **evaluate(s.model, v.loader, run.loss.loss_fn, v.metrics,
+                     step_fn=run.loss.step_fn, keys=run.keys, precision=run.precision))
     s.result.validations.append(s.metrics)
     run.call('on_validation_end')
     return _agree_stop(run)
@@ -322,8 +349,7 @@ def _save(run):
     "Save the state of training at this step (a collective); a background save is waited for when fit ends"
     _flush(run)
     s, c = run.state, run.checkpoints
-    run.saving = _checkpoint(c.dir, s.step, s.model, s.optimizer, run.loader, run.scheduler, run.scaler, s.result,
-                             s.epoch, c.keep, c.async_save)
+    run.saving = c.save(s.step, s.model, s.optimizer, run.loader, run.scheduler, run.scaler, s.result, s.epoch)
 
 def _step_group(run, group, measure) -> tuple:
     "Forward, backward and optimizer step on one group of micro-batches; returns (its loss, the gradient norm or None)"
@@ -370,9 +396,9 @@ def _restore(run) -> int:
     if c.dir is None: return 0
     if not all(callable(getattr(run.loader, f, None)) for f in ('state_dict', 'load_state_dict')):
         run.loader = resumable(run.loader)  # a loader that can say where it is
-    s.step, hist, res.resumed_from = _resume(c.dir, s.model, s.optimizer, run.loader, run.scheduler, run.scaler)
+    s.step, hist, res.resumed_from = c.resume(s.model, s.optimizer, run.loader, run.scheduler, run.scaler)
     if not res.resumed_from: return 0
-    for k in (*_HISTORY, 'validations'): setattr(res, k, hist.get(k, []))
+    for k in (*HISTORY, 'validations'): setattr(res, k, hist.get(k, []))
     res.start_step, s.epoch = s.step, hist.get('epochs_done', 0)
     _log.info(f"fit: resumed from {res.resumed_from} at step {s.step}")  # the main rank's (RankFilter)
     return getattr(run.loader, 'epoch', s.epoch)  # a loader with its own state_dict (StatefulDataLoader): no epoch
@@ -386,65 +412,3 @@ def _finish(run) -> FitResult:
     res.steps, res.seconds, res.stopped = s.step, time.perf_counter() - run.t0, s.stop
     run.call('on_fit_end')
     return res
-
-# %% ../../nbs/05f_train.loop.ipynb #2da09031
-def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a pipeline with `.step(x, y)`
-        loader,                    # yields batches: (inputs, targets), dicts, or anything a `step_fn` takes
-        optimizer:torch.optim.Optimizer,
-        loss_fn=None,              # loss_fn(predictions, targets); None: the model's `.loss`, else mse_loss if it fits
-        epochs:int=1,
-        max_steps:int|None=None,   # stop after this many optimizer steps (counted from the start of training)
-        accumulate:int=1,          # micro-batches per optimizer step
-        precision:str=DEFAULT_PRECISION,  # `PRECISIONS`: 'fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true', 'fp8'
-        clip:float|None=None,      # max gradient norm
-        scheduler=None,            # a learning-rate scheduler, stepped every `scheduler_interval`
-        progress:bool=True,        # progress on the main rank: a bar, or lines under launch/torchrun
-        *, step_fn=None,           # step_fn(model, batch) -> loss, or (loss, predictions, targets): any batch
-        keys:tuple|None=None,      # dict batches: (input key, target key), e.g. ('image', 'label')
-        scheduler_interval:str='step',  # step the scheduler after every 'step', or at the end of every 'epoch'
-        checkpoint_dir=None,       # save checkpoints here, and resume from the newest complete one found here
-        checkpoint_every:int|None=None,  # save every this many optimizer steps (and at the end); None: at the end
-        keep_checkpoints:int|None=2,     # complete checkpoints to keep (None: all)
-        async_save:bool=False,     # write checkpoints in the background while training goes on
-        val_loader=None,           # validation batches (a `distributed_loader(..., shuffle=False)` under DDP/FSDP)
-        metrics=None,              # metric(predictions, targets) callables (or torchmetrics objects): list or dict
-        val_every:int=1,           # validate every `val_every` ...
-        val_interval:str='epoch',  #   ... 'epoch's or 'step's
-        callbacks=(),              # objects with on_fit_start/on_step_end/on_validation_end/on_fit_end(state)
-        log_every:int=10,          # every this many steps: history flushed, grad norm measured (no clip), stops agreed
-        compile:bool|dict=False,   # torch.compile each block, after wrapping; a dict: torch.compile's options
-        ) -> FitResult:
-    "Train `model` on `loader`; returns per-step losses (mean over ranks), lr, grad norm, validations and throughput"
-    checkpoints = _Checkpoints(checkpoint_dir, checkpoint_every, keep_checkpoints, async_save)
-    validation = _Validation(val_loader, metrics, val_every, val_interval)
-    _check_args(accumulate, log_every, checkpoints, validation, scheduler, scheduler_interval, loader, step_fn,
-                loss_fn, keys)
-    precision, device, kind = fit_precision(model, precision), current_device(), _kind(model)
-    _check_setup(model, optimizer, loader, validation, kind, precision, device, step_fn)
-    _place(model, optimizer, device, kind)
-    if compile: _compile(model, kind, compile if isinstance(compile, dict) else None)
-
-    callbacks = list(callbacks or ())  # + a Preemption with checkpoints: SIGTERM saves, under SLURM SIGUSR1 requeues
-    if checkpoint_dir is not None and not any(isinstance(c, Preemption) for c in callbacks):
-        callbacks.append(Preemption())
-    state = FitState(model, optimizer, FitResult(strategy=_strategy(model)), checkpoint_dir=checkpoint_dir,
-                     metric_names=['val_loss', *as_metrics(metrics)] if val_loader is not None else [])
-    run = _Run(state, loader, kind, device, precision, loss_fn, step_fn, keys, accumulate, clip, scheduler,
-               scheduler_interval, checkpoints, validation, _hooks(callbacks), log_every,
-               scaler=torch.amp.GradScaler(device.type) if precision == 'fp16-mixed' else None,
-               dp=getattr(model, 'data_parallel_size', None) or world_size(),
-               params=list(model.parameters()) if isinstance(model, nn.Module) else None)
-    first = _restore(run)              # the loader's epoch to go on in (0 on a fresh start)
-    ended = state.epoch > first        # a checkpoint taken after that epoch's end was handled
-    run.bar = _progress(progress, run.loader, epochs, max_steps, accumulate, state.step)
-    run.stoppable, run.t0 = any_rank(any(run.hooks.values())), time.perf_counter()
-    watch_ranks(run.hooks, log_every, progress)  # several ranks: a slower one named with its cause (train.stragglers)
-
-    try:
-        run.call('on_fit_start')
-        done = lambda: max_steps is not None and state.step >= max_steps
-        for group in _batches(run.loader, epochs - first, accumulate, done, state.result, ended) if not done() else ():
-            if _train_step(run, group) if group is not None else _end_epoch(run): break
-        return _finish(run)
-    finally:  # signal handlers as before fit, also after an error
-        for c in callbacks: isinstance(c, Preemption) and c.restore()
