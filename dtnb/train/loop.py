@@ -120,7 +120,7 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
         *, epochs:int=1,
         max_steps:int|None=None,   # stop after this many optimizer steps (counted from the start of training)
         accumulate:int=1,          # micro-batches per optimizer step
-        precision:str=DEFAULT_PRECISION,  # a name of `PRECISIONS`: 'fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true'
+        precision:str=DEFAULT_PRECISION,  # `PRECISIONS`: 'fp32', 'bf16-mixed', 'fp16-mixed', 'bf16-true', 'fp8'
         clip:float|None=None,      # max gradient norm
         scheduler=None,            # a learning-rate scheduler, stepped every `scheduler_interval`
         scheduler_interval:str='step',  # step the scheduler after every 'step', or at the end of every 'epoch'
