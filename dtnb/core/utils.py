@@ -174,7 +174,7 @@ def _device_setting() -> str:
     v = os.environ.get('DTNB_DEVICE', '')
     if v not in ('', 'cpu', 'shared'):
         raise ValueError(f"DTNB_DEVICE={v!r}: its values are 'cpu' (dtnb then places ranks and tensors on the CPU) and "
-                         "'shared' (ranks share the accelerators); unset it to give each rank an accelerator of its own")
+                         "'shared' (ranks share the accelerators); unset it to give each rank an accelerator")
     return v
 
 def cpu_pinned() -> bool:
@@ -208,7 +208,7 @@ def synchronize(device=None) -> None:
 
 @contextlib.contextmanager
 def placement(device:str|None):
-    "Within the block dtnb places work on the CPU (`'cpu'`), on accelerators the ranks share (`'shared'`) or on one each"
+    "Within the block dtnb places work on the CPU (`'cpu'`), on shared accelerators (`'shared'`) or one per rank"
     if device not in ('cpu', 'shared', None):
         raise ValueError(f"placement({device!r}): pass 'cpu' for CPU ranks and tensors, 'shared' for ranks sharing the "
                          "accelerators, or None for one accelerator per rank")

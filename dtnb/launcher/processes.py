@@ -392,7 +392,7 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
            *args,
            nprocs:int|None=None,     # number of ranks; default: one per accelerator, else 2
            backend:str|None=None,    # 'gloo', 'nccl', ...; default from the device
-           device:str|None=None,     # 'cpu': CPU ranks on gloo; 'shared': ranks share the accelerators; default one each
+           device:str|None=None,     # 'cpu': CPU ranks on gloo; 'shared': ranks share accelerators; default one each
            start_method:str|None=None, # 'fork' (default where safe), 'spawn' or 'forkserver'
            timeout:float|None=None,  # seconds before unfinished ranks are reported and stopped
            threads:int|None=None,    # torch threads per rank; default: usable cores ÷ nprocs
