@@ -58,7 +58,7 @@ WHEELS=${WHEELHOUSE:-.whl}
 # 480 s): install 17 s, env 9, gpu_bench 46, report 79, cuda_cells 111 (more now: 07's rounds), cuda_tests 16, train 14;
 # predict (added after it, not yet run on a GPU) is torch's import, CUDA's start and about 150 op replays.
 STEPS="install:12 env:6 nvidia_smi:3 predict:6 launch:6"
-STEPS+=" ranks:5 memory:6 fit:4 io:4"  # issue 41 (2-5), not yet run on a GPU: small models, seconds each, sized by hand
+STEPS+=" ranks:8 memory:8 fit:4 io:6"  # issue 41 (2-5), not yet run on a GPU: small models, seconds each, sized by hand
 STEPS+=" gpu_bench:30 report:25 cuda_cells:40 cuda_tests:10 train:12"
 # The dry run's CPU forms cost otherwise: no GPU benchmark to speak of, the cells' slices and the imports dominate.
 STEPS_DRY="install:5 env:10 nvidia_smi:3 predict:5 launch:8"

@@ -18,7 +18,7 @@ import dtnb
 from dtnb.core.utils import synchronize  # waits for the device before a clock is read (a no-op on the CPU)
 from dtnb.train.checkpoint import state_dicts  # the (model, optimizer) state dicts save_checkpoint hands to DCP
 
-SIZE = dict(cuda=dict(d=2048, depth=6, repeats=3), cpu=dict(d=256, depth=4, repeats=2))
+SIZE = dict(cuda=dict(d=1024, depth=6, repeats=3), cpu=dict(d=256, depth=4, repeats=2))
 
 
 def checkpoints(device, root, repeats):

@@ -1,7 +1,9 @@
 """Peak memory, estimated and measured, through dtnb's public names: `estimate_memory`'s total beside the peak one real
 step reaches (`measure_memory`: `torch.cuda.max_memory_allocated`, reset before each step) for one GPU, FSDP on 2
 ranks (`placement('shared')`: both on the one GPU where there is one, over gloo), activation checkpointing and
-bf16-mixed, each on a GPT at two sizes; the goal is within 10% (each error is printed, none fails the step). Then
+bf16-mixed, each on a GPT at two sizes; the goal is within 10% (each error is printed, none fails the step; FSDP's
+ranks on one GPU talk over gloo, whose reduce-scatter of CUDA tensors is a full all-reduce of a copy staged through
+the host: its peak carries that copy, which NCCL would not make). Then
 `find_batch_size`'s estimate beside the batch it finds by trying, under the same budget. Step `memory` of
 tools/gpu_check.sh.
 

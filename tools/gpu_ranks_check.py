@@ -53,6 +53,20 @@ def probe_collectives():
     return dict(backend=dist.get_backend(), device=str(dev), collectives=res)
 
 
+def probe_send_recv():
+    """Point to point (what pipeline stages use): gloo's send/recv hand the tensor's pointer to gloo as it is, with no
+    host staging for CUDA tensors in the sources read; run apart, last, so that a crash loses nothing else"""
+    import torch.distributed as dist
+    r, dev = dist.get_rank(), dtnb.current_device()
+    t = torch.full((4,), float(r + 1), device=dev)
+    try:
+        if r == 0: dist.send(t, 1)
+        else: dist.recv(t, 0)
+        dist.barrier()
+        return dict(device=str(dev), send_recv='ok' if t.tolist() == [1.0] * 4 else 'wrong result')
+    except Exception as e: return dict(device=str(dev), send_recv=f"refused: {type(e).__name__}: {str(e)[:200]}")
+
+
 def _data(k):
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(B, S, D, generator=g), torch.randn(B, S, 4, generator=g)) for _ in range(k)]
@@ -110,6 +124,10 @@ def main(argv=None):
     if gpus >= 2: runs.append(('nccl', dict(backend='nccl')))  # one GPU each
     out, failed = dict(device=a.device, gpus=gpus, torch=torch.__version__, steps=a.steps, tolerance=TOL[a.device]), []
     save = lambda: Path(a.out).write_text(json.dumps(out, indent=1, default=str))
+    def p2p(run, kw):  # a finding, not a failure: pipelines over gloo on a GPU need it
+        try: res = [r['send_recv'] for r in dtnb.launch(probe_send_recv, nprocs=2, timeout=60, **kw)]
+        except Exception as e: res = [f"the ranks failed: {type(e).__name__}: {str(e)[:300]}"]
+        out[run]['send_recv'] = res; save(); print(run, 'send_recv', res, flush=True)
     for run, kw in runs:
         for name, fn, args in (('collectives', probe_collectives, ()), ('strategies', strategies, (a.steps,))):
             t0 = time.perf_counter()
@@ -122,6 +140,7 @@ def main(argv=None):
                 for s, v in (r.get('strategies') or {}).items():
                     if 'error' in v or v['missing'] or v['max_gap'] > TOL[a.device]: failed.append(f"{run}/{s}")
             save(); print(run, name, json.dumps(res)[:600], flush=True)
+        p2p(run, kw)
     head = {}
     for run in out:
         if not isinstance(out[run], dict) or 'strategies' not in out[run]: continue
@@ -133,6 +152,7 @@ def main(argv=None):
         coll = out[run]['collectives']['ranks'][0].get('collectives', {})
         head[f'{run}_refused'] = sorted(c for c, v in coll.items() if v != 'ok')
         head[f'{run}_peak_bytes'] = ranks[0].get('peak_bytes')
+        head[f'{run}_send_recv'] = out[run].get('send_recv', ['not run'])[-1]
     out['headline'] = dict(head, passed=not failed, failed=sorted(set(failed)))
     save()
     print("ranks check:", "FAILED " + ', '.join(sorted(set(failed))) if failed else "passed")

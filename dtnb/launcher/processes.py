@@ -97,7 +97,7 @@ def _rendezvous(env, timeout:float=600) -> dict:
 # %% ../../nbs/02a_launcher.processes.ipynb #a53200d4
 def shared_backend(backend:str|None, ranks:int) -> str|None:
     "The backend for `ranks` local ranks sharing the accelerators (`DTNB_DEVICE=shared`): gloo where two share one"
-    acc, n = accelerators()
+    acc, n = accelerators(pin=False)  # the node's: sharing them is what was asked, whatever pinned this process
     if acc in (None, 'mps') or ranks <= n: return backend  # one device each (or the CPU): any backend
     if backend not in (None, 'gloo'):
         raise ValueError(f"{ranks} ranks share {n} {acc} device{'s' * (n != 1)} (device='shared'): NCCL refuses two "
