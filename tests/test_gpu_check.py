@@ -7,8 +7,9 @@ import pytest, torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / 'tools' / 'gpu_check.sh'
-STEPS = ['install', 'env', 'nvidia_smi', 'predict', 'launch', 'gpu_bench', 'report', 'cuda_cells', 'cuda_tests',
-         'train', 'fp8']
+STEPS = ['install', 'env', 'nvidia_smi', 'predict', 'launch',
+         'ranks', 'memory', 'fit', 'io',  # issue 41 (2-5)
+         'gpu_bench', 'report', 'cuda_cells', 'cuda_tests', 'train', 'fp8']
 sys.path.insert(0, str(ROOT / 'tools'))
 import cuda_cells  # noqa: E402
 
@@ -73,7 +74,8 @@ def test_dry_run_stops_a_hung_step_at_its_slice_and_goes_on(tmp_path):
     steps get 1-2 s slices here (stopped too: the machinery is the subject; CI runs the dry run in full)."""
     out, test_id, budget = tmp_path / 'out', uuid.uuid4().hex, 90
     slices = ['--slice', 'env=3', '--slice', 'gpu_bench=2', '--slice', 'report=1', '--slice', 'cuda_cells=2',
-              '--slice', 'train=2', '--slice', 'fp8=2']
+              '--slice', 'train=2', '--slice', 'ranks=2', '--slice', 'memory=2', '--slice', 'fit=2', '--slice', 'io=2',
+              '--slice', 'fp8=2']
     t0 = time.monotonic()
     r = run('--dry-run', '--budget', str(budget), *slices, str(out), GPU_CHECK_HANG='env', GPU_CHECK_TEST_ID=test_id)
     took = time.monotonic() - t0
@@ -92,6 +94,32 @@ def test_dry_run_stops_a_hung_step_at_its_slice_and_goes_on(tmp_path):
     assert {f'gpu-check/{n}.log' for n in STEPS} <= names and 'gpu-check/summary.json' in names
     assert 'gpu-check/gpu_check.log' in names
     assert 'stopped at its slice' in r.stdout and 'nvidia_smi' in r.stdout.split('stopped at its slice')[1]
+
+
+@pytest.mark.long  # five tools' CPU forms, about 50 s here: bash run.sh test-long
+def test_dry_run_steps_of_issue_41_report_their_figures(tmp_path):
+    """ranks, memory, fit, io and fp8 on the CPU: each exits 0 inside its slice, and its figures reach summary.json's
+    `headlines` (what a GPU run brings back): CPU ranks equal to one process, model states exactly as estimated,
+    fit's ratio, the slow loader judged input-bound and the fast one not, fp8 refused here and its emulated training
+    near bf16; what a CPU cannot measure says so"""
+    r = run('--dry-run', '--only', 'ranks,memory,fit,io,fp8', str(tmp_path), timeout=300)
+    s = json.loads((tmp_path / 'summary.json').read_text())
+    assert r.returncode == 0 and s['passed'], r.stdout + r.stderr
+    assert [(x['step'], x['exit']) for x in s['steps']] == [(n, 0) for n in ('ranks', 'memory', 'fit', 'io', 'fp8')]
+    h = s['headlines']
+    assert h['ranks']['passed'] and h['ranks']['shared_backend'] == 'gloo' and h['ranks']['shared_refused'] == []
+    for k in ('ddp', 'zero2', 'fsdp', 'tp'):  # against how far one process moved them: a real comparison
+        assert h['ranks'][f'shared_{k}_max_gap'] <= 1e-5 < h['ranks']['shared_reference_moved'] / 100, h['ranks']
+    assert h['memory']['passed']
+    for size in ('small', 'large'):
+        for setup in ('single', 'fsdp', 'checkpointing', 'bf16_mixed'):
+            assert h['memory'][f'{size}_{setup}'] == 'states exact', h['memory']  # no peak counter on a CPU
+    fbs = h['memory']['find_batch_size']
+    assert fbs['estimated'] > 0 and 'not measurable' in fbs['tried']
+    assert h['fit']['passed'] and h['fit']['ratio'] > 0 and 'not measurable' in h['fit']['syncs_per_step']
+    assert h['io']['passed'] and h['io']['slow_input_bound'] and h['io']['fast_input_bound'] is False
+    assert h['io']['save_ratio'] > 0 and h['io']['load_ratio'] > 0
+    assert h['fp8']['fp8'] is False and h['fp8']['emulated'] and 0 <= h['fp8']['loss_rel_diff'] <= 0.05, h['fp8']
 
 
 def test_steps_with_too_little_budget_left_are_skipped(tmp_path):

@@ -18,6 +18,14 @@
 #                  exists, its measured steps are set beside them (--compare) and summary.json shows both
 #      launch      detect() leaves CUDA alone and the next launch forks; after an export and a backward, launches start
 #                  from the fork server, timed (tools/gpu_launch_check.py)
+#      ranks       two ranks on the one GPU (launch(device='shared'): gloo; NCCL refuses two ranks on one GPU): which
+#                  collectives gloo runs on CUDA tensors, wrap ddp/zero2/fsdp and parallelize(tp=2) equal to one
+#                  process; with 2+ GPUs the same on NCCL (tools/gpu_ranks_check.py)
+#      memory      estimate_memory's totals beside measured peaks (single, fsdp, checkpointing, bf16-mixed; two sizes)
+#                  and find_batch_size's estimate beside trying (tools/gpu_memory_check.py)
+#      fit         fit ÷ a plain loop on a few-ms GPU step, and host syncs per step of each (tools/gpu_fit_check.py)
+#      io          checkpoint save/verified load ÷ dcp.save/dcp.load on GPU tensors; input_bound's verdict on a slow
+#                  and a fast pinned loader (tools/gpu_io_check.py)
 #   2. gpu_bench   benchmarks/gpu_bench.py --quick, every section, anchors held (DTNB_BENCH_STRICT=1)
 #   3. report      dtnb report --quick (every section)
 #   4. cuda_cells  only the `#| cuda` notebook cells and what they need (tools/cuda_cells.py; the CPU cells are CI's)
@@ -51,10 +59,14 @@ WHEELS=${WHEELHOUSE:-.whl}
 # steps end well inside their slice, and none gets more than what is left). Sized on the first GPU run (one H200,
 # 480 s): install 17 s, env 9, gpu_bench 46, report 79, cuda_cells 111 (more now: 07's rounds), cuda_tests 16, train 14;
 # predict (added after it, not yet run on a GPU) is torch's import, CUDA's start and about 150 op replays.
-STEPS="install:12 env:6 nvidia_smi:3 predict:6 launch:6 gpu_bench:30 report:25 cuda_cells:40 cuda_tests:10 train:12"
+STEPS="install:12 env:6 nvidia_smi:3 predict:6 launch:6"
+STEPS+=" ranks:8 memory:8 fit:4 io:6"  # issue 41 (2-5), not yet run on a GPU: small models, seconds each, sized by hand
+STEPS+=" gpu_bench:30 report:25 cuda_cells:40 cuda_tests:10 train:12"
 # The dry run's CPU forms cost otherwise: no GPU benchmark to speak of, the cells' slices and the imports dominate.
-STEPS_DRY="install:5 env:10 nvidia_smi:3 predict:5 launch:8 gpu_bench:20 report:25 cuda_cells:35 cuda_tests:5 train:20"
-STEPS="$STEPS fp8:6"; STEPS_DRY="$STEPS_DRY fp8:5"  # fp8 (not yet run on a GPU): 2 fits of a 140M GPT, < 30 s
+STEPS_DRY="install:5 env:10 nvidia_smi:3 predict:5 launch:8"
+STEPS_DRY+=" ranks:5 memory:6 fit:5 io:6"  # issue 41 (2-5): 7, 11, 9 and 13 s here (2 shared cores, loaded)
+STEPS_DRY+=" gpu_bench:20 report:25 cuda_cells:35 cuda_tests:5 train:20"
+STEPS+=" fp8:6"; STEPS_DRY+=" fp8:5"  # fp8 (not yet run on a GPU): 2 fits of a 140M GPT, < 30 s
 
 requirements() {  # from pyproject.toml: build requirements, dependencies and the nvml/safetensors/fp8/dev extras
   "$PY" - <<'EOF'
@@ -160,9 +172,13 @@ for line in open(tsv):
     steps.append(dict(step=name, slice=int(slice_s), seconds=int(seconds),
                       exit=int(code) if code.lstrip('-').isdigit() else code, log=f'gpu-check/{name}.log'))
 compare = json.load(open(pred)).get('compare') if os.path.exists(pred) else None  # predicted vs measured, per model
+def headline(step):  # a step's tool may write $RES/<step>.json with a `headline` dict: its figures, in the summary
+    try: return json.load(open(os.path.join(os.path.dirname(out), step + '.json'))).get('headline')
+    except (OSError, ValueError, AttributeError): return None
+heads = {s['step']: h for s in steps if (h := headline(s['step'])) is not None}
 json.dump(dict(budget=int(budget), seconds=int(secs), dry_run=dry == '1', gpus=int(gpus), steps=steps,
-               passed=all(s['exit'] in (0, 'skipped') for s in steps), predicted_vs_measured=compare),
-          open(out, 'w'), indent=1)
+               passed=all(s['exit'] in (0, 'skipped') for s in steps), predicted_vs_measured=compare,
+               headlines=heads), open(out, 'w'), indent=1)
 EOF
   cp "$RES/summary.json" "$OUT_DIR/.summary.json.part" && mv "$OUT_DIR/.summary.json.part" "$OUT_DIR/summary.json"
   tar czf "$OUT_DIR/.gpu-check.tar.gz.part" -C "$WORK" gpu-check &&
@@ -235,6 +251,10 @@ step env bash -c env_json
 step nvidia_smi bash -c smi
 step predict "$PY" tools/gpu_predict_check.py --out "$RES/predict.json" $( [ $DRY = 1 ] && echo --device cpu )
 step launch "$PY" tools/gpu_launch_check.py --out "$RES/launch.json" $( [ $DRY = 1 ] && echo --device cpu )
+step ranks "$PY" tools/gpu_ranks_check.py --out "$RES/ranks.json" $( [ $DRY = 1 ] && echo --device cpu )
+step memory "$PY" tools/gpu_memory_check.py --out "$RES/memory.json" $( [ $DRY = 1 ] && echo --device cpu )
+step fit "$PY" tools/gpu_fit_check.py --out "$RES/fit.json" $( [ $DRY = 1 ] && echo --device cpu )
+step io "$PY" tools/gpu_io_check.py --out "$RES/io.json" --dir "$WORK" $( [ $DRY = 1 ] && echo --device cpu )
 if [ $DRY = 1 ]; then
   step gpu_bench "$PY" benchmarks/gpu_bench.py --device cpu --quick --out "$RES/benchmarks"
 else

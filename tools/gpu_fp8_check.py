@@ -150,6 +150,9 @@ def main(argv=None):
                   f"{res['bf16-mixed']['step_s'] * 1e3:.2f} ms); loss after {res['fp8']['steps']} steps "
                   f"{res['fp8']['last_loss']:.4f} / {res['bf16-mixed']['last_loss']:.4f} "
                   f"({res['loss_rel_diff']:.2%}, tolerance {TOLERANCE:.0%})" + (" [emulated]" * res['emulated']))
+        tr = results['checks'].get('train', {})  # summary.json's `headlines` carries these (gpu_check.sh's pack)
+        results['headline'] = dict(fp8=results['checks']['refusal'].get('fp8'), emulated=tr.get('emulated'),
+                                   **{k: tr[k] for k in ('step_time_ratio', 'loss_rel_diff', 'skipped') if k in tr})
         Path(a.out).write_text(json.dumps(results, indent=1, default=str))
     return 1 if failed else 0
 

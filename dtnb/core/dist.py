@@ -8,7 +8,7 @@ Docs: https://dtnb-dev.github.io/dtnb/core.dist.html.md"""
 from __future__ import annotations
 import contextlib
 from .env import parse_launch_env
-from .utils import accelerators
+from .utils import accelerators, device_shared
 
 # %% auto #0
 __all__ = ['too_many_ranks', 'current_device', 'rank', 'world_size', 'local_rank', 'is_main', 'barrier', 'rank0_first',
@@ -23,12 +23,13 @@ def too_many_ranks(nprocs:int, n:int, acc:str) -> str:
             "launch(..., backend='gloo', device='cpu'), or DTNB_DEVICE=cpu with backend 'gloo' under torchrun")
 
 def current_device():
-    "This rank's device: the CPU under `DTNB_DEVICE=cpu`, else the accelerator at index `LOCAL_RANK`, else the CPU"
+    "This rank's device: the CPU under `DTNB_DEVICE=cpu`, else the accelerator at `LOCAL_RANK` (mod n when shared)"
     import torch
     acc, n = accelerators()  # (None, 0) under DTNB_DEVICE=cpu
     if acc is None: return torch.device('cpu')
     if acc == 'mps': return torch.device('mps')
     le = parse_launch_env()
+    if device_shared(): return torch.device(acc, le.local_rank % n)  # DTNB_DEVICE=shared: ranks share, on purpose
     ranks = le.local_rank + 1 if le.launcher == 'env' else le.local_world_size  # plain env:// has no local size
     if ranks > n: raise ValueError(too_many_ranks(ranks, n, acc))
     return torch.device(acc, le.local_rank)

@@ -15,9 +15,9 @@ from torch.utils import _pytree as pytree
 # %% auto #0
 __all__ = ['TORCH_NEEDS', 'DTYPES', 'PRECISIONS', 'DEFAULT_PRECISION', 'md_table', 'text_table', 'fmt_bytes', 'parse_size',
            'percentile', 'cache', 'in_notebook', 'progress_bar', 'StepProgress', 'torch_version', 'needs_torch',
-           'tree_map_tensors', 'tensors', 'to_device', 'cast_inputs', 'cpu_pinned', 'accelerators', 'accelerator_type',
-           'default_device', 'synchronize', 'placement', 'dtype_name', 'as_dtype', 'Precision', 'check_precision',
-           'precision_for', 'autocast', 'shard_numel']
+           'tree_map_tensors', 'tensors', 'to_device', 'cast_inputs', 'cpu_pinned', 'device_shared', 'accelerators',
+           'accelerator_type', 'default_device', 'synchronize', 'placement', 'dtype_name', 'as_dtype', 'Precision',
+           'check_precision', 'precision_for', 'autocast', 'shard_numel']
 
 # %% ../../nbs/00_core.utils.ipynb #2c24aabb
 def md_table(header, rows) -> str:
@@ -170,13 +170,20 @@ def cast_inputs(batch, dtype, target_key:str='labels',
     return cast(batch)  # a tensor, or a batch of inputs only
 
 # %% ../../nbs/00_core.utils.ipynb #2d77fc1d
-def cpu_pinned() -> bool:
-    "Whether `DTNB_DEVICE=cpu` pins dtnb to the CPU (any other value is an error that says so)"
+def _device_setting() -> str:
     v = os.environ.get('DTNB_DEVICE', '')
-    if v not in ('', 'cpu'):
-        raise ValueError(f"DTNB_DEVICE={v!r}: its one value is 'cpu' (dtnb then places ranks and tensors on the CPU); "
-                         "unset it to use the accelerators")
-    return v == 'cpu'
+    if v not in ('', 'cpu', 'shared'):
+        raise ValueError(f"DTNB_DEVICE={v!r}: its values are 'cpu' (dtnb then places ranks and tensors on the CPU) and "
+                         "'shared' (ranks share the accelerators); unset it to give each rank an accelerator")
+    return v
+
+def cpu_pinned() -> bool:
+    "Whether `DTNB_DEVICE=cpu` pins dtnb to the CPU (a value other than 'cpu' or 'shared' is an error that says so)"
+    return _device_setting() == 'cpu'
+
+def device_shared() -> bool:
+    "Whether `DTNB_DEVICE=shared` lets the ranks of a node share its accelerators (local rank r on accelerator r mod n)"
+    return _device_setting() == 'shared'
 
 def accelerators(pin:bool=True) -> tuple:
     "The accelerator type and count dtnb may use, `(None, 0)` for none or `DTNB_DEVICE=cpu`; CUDA stays uninitialised"
@@ -201,9 +208,10 @@ def synchronize(device=None) -> None:
 
 @contextlib.contextmanager
 def placement(device:str|None):
-    "Within the block dtnb places work on the CPU (`'cpu'`: `DTNB_DEVICE=cpu`) or on the accelerators (None)"
-    if device not in ('cpu', None): raise ValueError(f"placement({device!r}): pass 'cpu' for CPU ranks and tensors, "
-                                                     "or None for the accelerators")
+    "Within the block dtnb places work on the CPU (`'cpu'`), on shared accelerators (`'shared'`) or one per rank"
+    if device not in ('cpu', 'shared', None):
+        raise ValueError(f"placement({device!r}): pass 'cpu' for CPU ranks and tensors, 'shared' for ranks sharing the "
+                         "accelerators, or None for one accelerator per rank")
     before = os.environ.get('DTNB_DEVICE')
     if device: os.environ['DTNB_DEVICE'] = device
     else: os.environ.pop('DTNB_DEVICE', None)

@@ -17,12 +17,12 @@ from ..core.env import parse_launch_env, LaunchEnvError, restart_hazard
 from .failures import LaunchError, report_failure
 from .network import prepare_network, start_peer_watch, stop_peer_watch
 from .hangs import enable_flight_recorder
-from ..core.utils import accelerators, cpu_pinned
+from ..core.utils import accelerators, cpu_pinned, device_shared
 from ..core.dist import current_device, too_many_ranks, barrier
 
 # %% auto #0
-__all__ = ['BACKENDS', 'default_backend', 'check_backend', 'RendezvousError', 'init_distributed', 'shutdown', 'free_port',
-           'check_port', 'check_launch_args', 'cpu_oversubscription', 'launch']
+__all__ = ['BACKENDS', 'default_backend', 'check_backend', 'RendezvousError', 'shared_backend', 'init_distributed', 'shutdown',
+           'free_port', 'check_port', 'check_launch_args', 'cpu_oversubscription', 'launch']
 
 # %% ../../nbs/02a_launcher.processes.ipynb #99c2e697
 BACKENDS = {'gloo': 'CPU tensors (and GPUs, slowly)', 'nccl': 'NVIDIA GPUs', 'xccl': 'Intel GPUs',
@@ -95,6 +95,16 @@ def _rendezvous(env, timeout:float=600) -> dict:
     return kw
 
 # %% ../../nbs/02a_launcher.processes.ipynb #a53200d4
+def shared_backend(backend:str|None, ranks:int) -> str|None:
+    "The backend for `ranks` local ranks sharing the accelerators (`DTNB_DEVICE=shared`): gloo where two share one"
+    acc, n = accelerators(pin=False)  # the node's: sharing them is what was asked, whatever pinned this process
+    if acc in (None, 'mps') or ranks <= n: return backend  # one device each (or the CPU): any backend
+    if backend not in (None, 'gloo'):
+        raise ValueError(f"{ranks} ranks share {n} {acc} device{'s' * (n != 1)} (device='shared'): NCCL refuses two "
+                         f"ranks on one GPU, so they need backend='gloo' (it copies their device tensors through host "
+                         f"memory), not {backend!r}; or run nprocs={n}, one device each")
+    return 'gloo'
+
 def init_distributed(backend:str|None=None, # 'gloo', 'nccl', ...; default from the device
                      timeout:float=600,     # seconds a collective may wait before it fails
                      rdzv_timeout:float|None=None, # seconds to wait for every rank to arrive; default `timeout`
@@ -107,6 +117,7 @@ def init_distributed(backend:str|None=None, # 'gloo', 'nccl', ...; default from 
     if backend == 'nccl' and cpu_pinned():
         raise ValueError("backend='nccl' needs GPUs, and DTNB_DEVICE=cpu places this rank on the CPU: pass "
                          "backend='gloo' (or None), or unset DTNB_DEVICE")
+    if device_shared(): backend = shared_backend(backend, le.local_world_size)
     backend = check_backend(backend)
     if le.rank == 0 and (why := restart_hazard(backend)): warnings.warn(why, UsageWarning, stacklevel=2)
     dev = current_device()
@@ -254,10 +265,12 @@ def _placement(nprocs, backend, device):
     if backend is not None and backend not in BACKENDS: check_backend(backend)  # an unknown name, said first
     how = "device='cpu'" if device == 'cpu' else 'DTNB_DEVICE=cpu'
     if device is None and cpu_pinned(): device = 'cpu'  # pinned: `placement('cpu')`
+    if device is None and device_shared(): device = 'shared'  # `placement('shared')`
     acc, n = accelerators(pin=False)  # what the node has, for the messages
-    if device not in (None, 'cpu'):
-        raise ValueError(f"device={device!r}: pass device='cpu' for CPU ranks, "
-                         f"or None for one {acc or 'device'} per rank")
+    if device not in (None, 'cpu', 'shared'):
+        raise ValueError(f"device={device!r}: pass device='cpu' for CPU ranks, device='shared' for ranks sharing "
+                         f"the {acc or 'device'}s, or None for one {acc or 'device'} per rank")
+    if device == 'shared': return shared_backend(backend, nprocs), device
     if device == 'cpu' or (backend == 'gloo' and acc not in (None, 'mps') and nprocs > n):
         if backend not in (None, 'gloo'):
             raise ValueError(f"CPU ranks ({how}) need backend='gloo', not {backend!r}")
@@ -379,7 +392,7 @@ def launch(fn,                       # function to run on every rank: fn(*args, 
            *args,
            nprocs:int|None=None,     # number of ranks; default: one per accelerator, else 2
            backend:str|None=None,    # 'gloo', 'nccl', ...; default from the device
-           device:str|None=None,     # 'cpu': CPU ranks on gloo even where accelerators exist; default one each
+           device:str|None=None,     # 'cpu': CPU ranks on gloo; 'shared': ranks share accelerators; default one each
            start_method:str|None=None, # 'fork' (default where safe), 'spawn' or 'forkserver'
            timeout:float|None=None,  # seconds before unfinished ranks are reported and stopped
            threads:int|None=None,    # torch threads per rank; default: usable cores ÷ nprocs
