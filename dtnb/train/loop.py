@@ -10,7 +10,7 @@ import os, time, warnings
 from dataclasses import dataclass, field, asdict
 import torch
 from torch import nn
-from ..core.dist import world_size, is_main, current_device, dist_or_none, any_rank
+from ..core.dist import world_size, is_main, current_device, dist_or_none, any_rank, all_gather_floats
 from ..core.utils import md_table, text_table, to_device, StepProgress, DEFAULT_PRECISION
 from .batches import cast_batch, forward_loss, count_samples, check_loader, check_fp16, as_metrics, evaluate
 from .batches import pipeline_args, check_pipeline_validation, fit_precision, micro_step, optimizer_step
@@ -164,7 +164,7 @@ def fit(model,                     # a model, wrapped or not (`wrap(...)`), or a
     ended = state.epoch > first        # a checkpoint taken after that epoch's end was handled
     run.bar = _progress(progress, run.loader, epochs, max_steps, accumulate, state.step)
     run.stoppable, run.t0 = any_rank(any(run.hooks.values())), time.perf_counter()
-    watch_ranks(run.hooks, log_every, progress)  # several ranks: a slower one named with its cause (train.stragglers)
+    run.watch = watch_ranks(run.hooks, state.step, progress)  # several ranks: a slower one named (train.stragglers)
 
     try:
         run.call('on_fit_start')
@@ -209,18 +209,22 @@ def _strategy(model) -> str:
     "The strategy applied to `model`: the name given to `wrap` ('zero1', 'zero3'...), else what `fit` drives"
     return get_state(model, 'strategy') or _kind(model)
 
-def _reduce(losses, norms, kind) -> tuple[list, list]:
-    "Per-step losses averaged over the data-parallel ranks, gradient norms (`ShardNorm`s summed): one all-reduce"
+def _reduce(losses, norms, kind, extra=None) -> tuple:
+    """Per-step losses averaged over the data-parallel ranks, gradient norms (`ShardNorm`s summed): one collective.
+    `extra`: this rank's numbers to go along (the straggler watch's); every rank's then come back third, by rank"""
     given, k = [i for i, n in enumerate(norms) if n is not None], 0 if kind == 'pipeline' else len(losses)
     ts = [getattr(x, 'sq', x).detach().float().reshape(-1) for x in [*losses[:k], *(norms[i] for i in given)]]
     t, full = torch.cat(ts).cpu() if ts else torch.zeros(0), [float('nan')] * len(norms)  # one read of the device
     shard = [k + j for j, i in enumerate(given) if isinstance(norms[i], ShardNorm)]  # None: a norm not measured
-    if kind != 'pipeline' and (d := dist_or_none()) is not None and (ws := d.get_world_size()) > 1:
-        r = torch.cat([t[:k], t[shard]]); d.all_reduce(r := r.to(current_device()) if d.get_backend() == 'nccl' else r)
-        r = r.cpu(); t[:k] = r[:k] / ws; t[shard] = r[k:]  # gloo reduces on the CPU
+    n, rows = k + len(shard), [list(extra)] if extra is not None else None
+    if (d := dist_or_none()) is not None and (ws := d.get_world_size()) > 1 and (kind != 'pipeline' or rows):
+        g = all_gather_floats(torch.cat([t[:k], t[shard], torch.tensor(extra or [], dtype=t.dtype)]))
+        tot, rows = g[:, :n].sum(0), g[:, n:].tolist() if rows else None  # summed here: as an all-reduce would
+        t[:k] = tot[:k] / ws; t[shard] = tot[k:]
     t[shard] = t[shard].sqrt()
     for i, v in zip(given, t[k:].tolist()): full[i] = v
-    return ([float(l) for l in losses] if kind == 'pipeline' else t[:k].tolist()), full  # a pipeline's: the batch's
+    out = [float(l) for l in losses] if kind == 'pipeline' else t[:k].tolist()  # a pipeline's: the whole batch's
+    return (out, full) if rows is None else (out, full, rows)
 
 # %% ../../nbs/05f_train.loop.ipynb #c013
 def _place(model, optimizer, device, kind):
@@ -310,6 +314,7 @@ class _Run:
     pending: dict = field(default_factory=lambda: dict(loss=[], norm=[], lr=[]))  # steps since the last flush
     params: list|None = None  # the model's parameters, listed once (None: a pipeline)
     saving: object = None     # the last checkpoint's AsyncSave (a background save), waited for at the end
+    watch: object = None      # `watch_ranks`: each rank's step split, gathered with the flush
     t0: float = 0.0
 
     @property
@@ -323,9 +328,11 @@ class _Run:
 # %% ../../nbs/05f_train.loop.ipynb #a529a594
 _log = get_logger('dtnb.train.loop')  # fit's messages; results are FitResult's
 def _flush(run):
-    "The steps since the last flush into the result: losses averaged over the ranks (one all-reduce), norms, lrs"
-    p, res = run.pending, run.state.result
-    losses, norms = _reduce(p['loss'], p['norm'], run.kind) if p['loss'] else ([], [])
+    "The steps since the last flush into the result: losses averaged over the ranks (one collective), norms, lrs"
+    p, res, w = run.pending, run.state.result, run.watch
+    if not p['loss']: return
+    losses, norms, *rows = _reduce(p['loss'], p['norm'], run.kind, w.numbers(run.state) if w else None)
+    if w: w.gathered(run.state, rows[0])
     res.losses += losses; res.grad_norms += norms; res.lrs += [float(lr) for lr in p['lr']]
     for v in p.values(): v.clear()
 

@@ -7,9 +7,8 @@ Docs: https://dtnb-dev.github.io/dtnb/train.stragglers.html.md"""
 # %% ../../nbs/05d_train.stragglers.ipynb #51b44a44
 from __future__ import annotations
 import math, time
-import torch
 from dataclasses import dataclass, field
-from ..core.dist import all_gather_floats, rank_world, is_main, current_device
+from ..core.dist import rank_world, is_main, current_device
 from ..core.utils import md_table, text_table
 
 # %% auto #0
@@ -95,28 +94,31 @@ class RankSteps:
 
 # %% ../../nbs/05d_train.stragglers.ipynb #d81c91f8
 class _Watch:
-    "fit's hooks that time each `log_every` interval on this rank and gather the intervals of every rank"
-    def __init__(self, every:int, show:bool):
-        self.every, self.show, self.said, self.steps = every, show, None, RankSteps()
+    "Each rank's interval between `fit`'s flushes: its numbers go along in the flush's one collective"
+    def __init__(self, start:int, show:bool):
+        self.step, self.show, self.said, self.steps = start, show, None, RankSteps()
         self.cpu = current_device().type == 'cpu'
         self.last = self._now(0.0)
     def _now(self, data): return time.perf_counter(), data, time.process_time() if self.cpu else None
-    def on_step_end(self, state):
-        res = state.result
-        if (state.step - res.start_step) % self.every: return
-        (t0, d0, c0), (t, d, c) = self.last, self._now(res.data_wait_s)
+    def numbers(self, state) -> list:
+        "This rank's interval since the last flush: wall, data wait and CPU seconds (NaN: not told apart on a GPU)"
+        (t0, d0, c0), (t, d, c) = self.last, self._now(state.result.data_wait_s)
         self.last = (t, d, c)
-        mine = torch.tensor([t - t0, d - d0, float('nan') if c is None else c - c0], dtype=torch.float64)
-        self.steps.intervals.append([split_interval(w, dt, None if math.isnan(cp) else cp)
-                                     for w, dt, cp in all_gather_floats(mine).tolist()])
-        self.steps.steps.append(self.every)
+        return [t - t0, d - d0, float('nan') if c is None else c - c0]
+    def gathered(self, state, rows):
+        "Every rank's `numbers`, in rank order, as the flush gathered them: one interval more; a new straggler said"
+        steps, self.step = state.step - self.step, state.step
+        if not steps: return
+        self.steps.intervals.append([split_interval(w, dt, None if math.isnan(cp) else cp) for w, dt, cp in rows])
+        self.steps.steps.append(steps)
         if self.show and is_main() and (r := self.steps.straggler) is not None and r != self.said:
             self.said = r; print(f"fit: {self.steps.verdict}", flush=True)
     def on_fit_end(self, state): state.result.ranks = self.steps
 
-def watch_ranks(hooks:dict, log_every:int, show:bool=True) -> RankSteps|None:
-    "Add the per-rank step split to `fit`'s `hooks` ({hook: [functions]}); returns its RankSteps (None on one rank)"
+def watch_ranks(hooks:dict, start:int=0, show:bool=True) -> _Watch|None:
+    """The per-rank step split for `fit`, which passes its `numbers` along in each flush and hands it the rows
+    (`gathered`); `RankSteps` in the result at the end (a hook added to `hooks`). None on one rank"""
     if rank_world()[1] < 2: return None
-    w = _Watch(log_every, show)
-    hooks['on_step_end'].insert(0, w.on_step_end); hooks['on_fit_end'].insert(0, w.on_fit_end)
-    return w.steps
+    w = _Watch(start, show)
+    hooks['on_fit_end'].insert(0, w.on_fit_end)
+    return w
