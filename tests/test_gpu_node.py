@@ -37,6 +37,8 @@ UNPINNED = {
     '00e_core.batches': "a batch's loss on CPU tensors in this process: no ranks, no device choice",
     '00f_core.state': "attributes on modules in this process: no ranks, no device",
     '00g_core.fp8': "the refusal and the emulated conversion in this process (its ranks: tests/test_fp8.py)",
+    '05ab_train.checkpoint_format': "a checkpoint's files, marker and checksums of CPU tensors in one process",
+    '05ea_train.fit_checkpoints': "fit's state saved and resumed from CPU tensors in this process: no ranks",
     '05h_train.trackers': "tracker callbacks and an import error: no device (the runs: tests/test_trackers.py)",
     '02_launcher.failures': "error reports: no device",
     '09_debug.divergence': "the causes' rules on tables written by hand: no ranks, no device",
