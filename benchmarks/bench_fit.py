@@ -6,13 +6,16 @@ rank, AdamW, one torch thread per rank). Each round runs `fit(..., max_steps=ste
 loop once each, in alternating order (a barrier before and after each), so that load from other processes falls on
 both alike; the ratio of each round is taken and the median over rounds printed: of wall time (the target), and of
 this process's CPU time (rank 0's), which load from other processes disturbs less on a shared machine.
+With malloc as glibc sets it, a round's ratio ranges from 0.89 to 1.06 (page faults differ from round to round), so a
+median of 15 rounds moved by up to 0.05 between runs; 25 rounds narrow that. What `fit` itself adds per step is
+measured in 05f (nbs/05f_train.loop.ipynb, beside these figures), on a model of almost no work.
 
 glibc's malloc gives freed memory back to the kernel and faults it in again: 2,000 to 5,000 page faults per step of
 this model, 20% of its CPU step, and a count that differs from process to process and from one loop to the other
 (with them, the ratio of one process swung from 0.89 to 1.04 between runs). Each process therefore keeps its freed
 memory (mallopt: no trimming, no mmap for large blocks: what MALLOC_TRIM_THRESHOLD_ and MALLOC_MMAP_THRESHOLD_, or
 jemalloc, do), for both loops alike; --glibc-defaults measures with malloc as it comes. Faults per step are printed.
-    python benchmarks/bench_fit.py [--steps 30] [--rounds 15] [--only single,ddp,fsdp] [--glibc-defaults]
+    python benchmarks/bench_fit.py [--steps 30] [--rounds 25] [--only single,ddp,fsdp] [--glibc-defaults]
 """
 import argparse, ctypes, ctypes.util, resource, statistics, time
 import torch
@@ -80,7 +83,7 @@ def _ranked(strategy, steps, n_rounds, glibc_defaults):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument('--steps', type=int, default=30); ap.add_argument('--rounds', type=int, default=15)
+    ap.add_argument('--steps', type=int, default=30); ap.add_argument('--rounds', type=int, default=25)
     ap.add_argument('--only', default='single,ddp,fsdp'); ap.add_argument('--glibc-defaults', action='store_true')
     a = ap.parse_args()
     rows = []
