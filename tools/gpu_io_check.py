@@ -10,8 +10,9 @@ input-bound, the fast one not. Step `io` of tools/gpu_check.sh.
 `--device cpu` (tools/gpu_check.sh --dry-run): the same on the CPU with a smaller model, without pinned memory (there
 is no device to pin for). Exit 1 when a check failed; results go to --out as soon as known, with a `headline`.
 """
-import argparse, json, shutil, statistics, sys, tempfile, time, traceback
+import argparse, json, shutil, statistics, sys, tempfile, time
 from pathlib import Path
+from gpu_checks import run_check  # tools/: one named check, timed, its failure kept
 import torch
 import torch.nn.functional as F
 import dtnb
@@ -87,14 +88,7 @@ def main(argv=None):
     try:
         for name, fn in (('checkpoint', lambda: checkpoints(a.device, root, SIZE[a.device]['repeats'])),
                          ('input_bound', lambda: verdicts(a.device))):
-            t0 = time.perf_counter()
-            try: res = dict(passed=True, **fn())
-            except Exception as e:
-                res = dict(passed=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-                failed.append(name)
-            res['seconds'] = round(time.perf_counter() - t0, 2)
-            out['checks'][name] = res
-            print(name, json.dumps({k: v for k, v in res.items() if k != 'traceback'}, default=str)[:800], flush=True)
+            if not run_check(name, fn, out['checks'], show=800)['passed']: failed.append(name)
             c, v = out['checks'].get('checkpoint', {}), out['checks'].get('input_bound', {})
             out['headline'] = dict(save_ratio=c.get('save_ratio'), load_ratio=c.get('load_ratio'),
                                    slow_input_bound=v.get('slow', {}).get('input_bound'),

@@ -14,8 +14,9 @@ gradients, optimizer state: storage bytes after a real step) are measured, and t
 byte; peaks are marked not measurable, and find_batch_size only estimates (trying needs an accelerator). Exit 1 when
 a check failed; results go to --out as soon as known, with a `headline`.
 """
-import argparse, json, sys, time, traceback
+import argparse, json, sys
 from pathlib import Path
+from gpu_checks import run_check  # tools/: one named check, timed, its failure kept
 import torch
 import torch.nn.functional as F
 import dtnb
@@ -82,17 +83,10 @@ def main(argv=None):
     checks = [(f'{size}_{setup}', lambda size=size, setup=setup: one(size, setup, a.device))
               for size in ('small', 'large') for setup in SETUPS] + [('find_batch_size', lambda: batch_size(a.device))]
     for name, fn in checks:
-        t0 = time.perf_counter()
-        try: res = dict(passed=True, **fn())
-        except Exception as e:
-            res = dict(passed=False, error_text=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-            failed.append(name)
-        res['seconds'] = round(time.perf_counter() - t0, 2)
-        out['checks'][name] = res
+        res = run_check(name, fn, out['checks'], error_key='error_text')  # 'error': an estimate's, a figure
+        if not res['passed']: failed.append(name)
         if name == 'find_batch_size': head[name] = {k: res.get(k) for k in ('estimated', 'tried', 'error')}
         else: head[name] = res.get('error', 'states exact' if res['passed'] else 'FAILED')
-        print(f"{name}: {'passed' if res['passed'] else 'FAILED'} in {res['seconds']} s;",
-              json.dumps({k: v for k, v in res.items() if k != 'traceback'})[:400], flush=True)
         out['headline'] = dict(head, within_10pct=[k for k, v in head.items() if isinstance(v, float) and abs(v) <= .1],
                                passed=not failed, failed=failed)
         Path(a.out).write_text(json.dumps(out, indent=1, default=str))

@@ -8,8 +8,9 @@ On a GPU both run there. `--device cpu` (tools/gpu_check.sh --dry-run) runs the 
 find_batch_size's estimate against a memory budget (trying needs an accelerator): no GPU figure. Exit 1 when a check
 failed; each check's result is written to --out as soon as it is known.
 """
-import argparse, json, sys, time, traceback
+import argparse, json, sys, time
 from pathlib import Path
+from gpu_checks import run_check  # tools/: one named check, timed, its failure kept
 import torch
 import torch.nn.functional as F
 import dtnb
@@ -71,13 +72,7 @@ def main(argv=None):
         import os; os.environ['DTNB_DEVICE'] = 'cpu'; torch.set_num_threads(1)
     results, failed = dict(device=a.device, torch=torch.__version__, checks={}), False
     for name, check in (('fit_bf16_mixed', fit_bf16), ('find_batch_size', batch_size_tried)):
-        t0 = time.perf_counter()
-        try: res = dict(passed=True, **check(a.device))
-        except Exception: res, failed = dict(passed=False, error=traceback.format_exc()), True
-        res['seconds'] = round(time.perf_counter() - t0, 2)
-        results['checks'][name] = res
-        print(f"{name}: {'passed' if res['passed'] else 'FAILED'} in {res['seconds']} s")
-        if not res['passed']: print(res['error'])
+        failed |= not run_check(name, lambda: check(a.device), results['checks'])['passed']
         Path(a.out).write_text(json.dumps(results, indent=1, default=str))
     return 1 if failed else 0
 
