@@ -191,7 +191,7 @@ def parallelize(model:nn.Module,
         if activation_checkpointing and (mcls != () or not degrees.pp_enabled):
             apply_activation_checkpointing(m, mcls)                 # 2. activation checkpointing
         if degrees.tp_enabled: apply_tp(m, mesh['tp'], plan, sequence_parallel, cls)  # 3. tensor parallel
-        out.append(apply_dp(m, degrees, mesh, dev, mcls, **fsdp))   # 4. FSDP / DDP
+        out.append(apply_dp(m, degrees, mesh, device=dev, layer_cls=mcls, **fsdp))  # 4. FSDP / DDP
     if degrees.pp_enabled:
         dp_groups = [mesh[k].get_group() for k in ('dp_replicate', 'dp_shard') if mesh[k].size() > 1]
         out = [Pipeline(out, mine, split.n_stages, loss_fn, schedule=schedule, n_microbatches=n_microbatches,
@@ -220,7 +220,7 @@ def _joined(mesh, degrees:Degrees):
     if not degrees.sp_enabled: return dim, mesh[dim]
     return f"{dim}_sp", mesh[dim, 'sp']._flatten(f"{dim}_sp")
 
-def apply_dp(model:nn.Module, degrees:Degrees, mesh, device=None, layer_cls=None, **fsdp) -> nn.Module:
+def apply_dp(model:nn.Module, degrees:Degrees, mesh, *, device=None, layer_cls=None, **fsdp) -> nn.Module:
     "Data parallelism over `mesh`'s data dimensions (sp's too): `apply_fsdp` over dp_shard (HSDP), else DDP"
     _check_fsdp_options(degrees, fsdp)
     name, dp = _joined(mesh, degrees)
