@@ -214,7 +214,8 @@ def _reduce(losses, norms, kind, extra=None) -> tuple:
     `extra`: this rank's numbers to go along (the straggler watch's); every rank's then come back third, by rank"""
     given, k = [i for i, n in enumerate(norms) if n is not None], 0 if kind == 'pipeline' else len(losses)
     ts = [getattr(x, 'sq', x).detach().float().reshape(-1) for x in [*losses[:k], *(norms[i] for i in given)]]
-    t, full = torch.cat(ts).cpu() if ts else torch.zeros(0), [float('nan')] * len(norms)  # one read of the device
+    t = torch.cat([x.to(ts[0].device) for x in ts]).cpu() if ts else torch.zeros(0)  # one read of the device (a norm
+    full = [float('nan')] * len(norms)  # may be on the CPU beside a GPU's losses: FSDP's offloaded gradients)
     shard = [k + j for j, i in enumerate(given) if isinstance(norms[i], ShardNorm)]  # None: a norm not measured
     n, rows = k + len(shard), [list(extra)] if extra is not None else None
     if (d := dist_or_none()) is not None and (ws := d.get_world_size()) > 1 and (kind != 'pipeline' or rows):
