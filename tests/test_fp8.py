@@ -1,6 +1,6 @@
 """precision='fp8' on the CPU: refused, with the reason, wherever a user asks for it (wrap, parallelize, fit, the
 planner); the message naming the extra when torchao is missing; and, through torchao's emulation (FP8 casts, fp32
-matmuls: `float8_training(model, emulate=True)`), the conversion path itself trained by `fit` on real gloo ranks:
+matmuls: DTNB_FP8_EMULATE=1), the conversion wrap, parallelize and fit make themselves, trained on real gloo ranks:
 DDP, FSDP and tensor parallel equal to one process, the loss close to bf16's. The speed and the loss on FP8 tensor
 cores are tools/gpu_fp8_check.py's (tools/gpu_check.sh's `fp8` step)."""
 import sys
@@ -53,15 +53,21 @@ def model():
     return float8_training(m, emulate=True)
 
 
+@pytest.fixture
+def emulated(monkeypatch):
+    "DTNB_FP8_EMULATE=1: wrap, parallelize and fit convert with torchao's emulation themselves (ranks inherit it)"
+    monkeypatch.setenv('DTNB_FP8_EMULATE', '1')
+
+
 def data():
     g = torch.Generator().manual_seed(1)
     return [[(torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 16, generator=g)) for _ in range(RANKS)]
             for _ in range(STEPS)]  # [step][rank]: each rank's share of the step's batch
 
 
-def one_process(precision='fp8', convert=True):
-    "Each step's rank shares as micro-batches of one step: what DDP's averaged gradients equal"
-    m = model() if convert else TinyTransformer(d_out=16)
+def one_process(precision='fp8'):
+    "Each step's rank shares as micro-batches of one step: what DDP's averaged gradients equal; fit converts"
+    m = TinyTransformer(d_out=16)  # precision='fp8': fit's own conversion (emulated)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     r = fit(m, [b for step in data() for b in step], opt, loss_fn=F.mse_loss, accumulate=RANKS, precision=precision,
             progress=False)
@@ -71,7 +77,7 @@ def one_process(precision='fp8', convert=True):
 def on_ranks(strategy):
     import torch.distributed as dist
     r = dist.get_rank()
-    m = model()
+    m = TinyTransformer(d_out=16)  # converted by wrap or parallelize, before they shard it (emulated)
     m = parallelize(m, Degrees(tp=RANKS), precision='fp8') if strategy == 'tp' else wrap(m, strategy, precision='fp8')
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     loader = [step[0 if strategy == 'tp' else r] for step in data()]  # tp: every rank the whole batch
@@ -90,7 +96,7 @@ def test_conversion_keeps_parameters_and_state_dict_keys():
 
 
 @pytest.mark.parametrize('strategy', ['ddp', 'fsdp'])
-def test_data_parallel_equal_one_process(strategy):
+def test_data_parallel_equal_one_process(strategy, emulated):
     losses, sd = one_process()
     got = launch(on_ranks, strategy, nprocs=RANKS)
     for r_losses, r_sd, n in got:
@@ -99,7 +105,7 @@ def test_data_parallel_equal_one_process(strategy):
         for k in sd: torch.testing.assert_close(r_sd[k], sd[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
-def test_tensor_parallel_equal_one_process():
+def test_tensor_parallel_equal_one_process(emulated):
     """Tensor parallel splits each Float8Linear as it splits a Linear; every rank sees the whole batch. Without
     autocast (the FP8 casts stay): under bf16 autocast tp's partial sums round differently, bf16-mixed's own ~3e-4"""
     m = model()
@@ -107,14 +113,15 @@ def test_tensor_parallel_equal_one_process():
     r = fit(m, [step[0] for step in data()], opt, loss_fn=F.mse_loss, precision='fp32', progress=False)
     sd = m.state_dict()
     for r_losses, r_sd, n in launch(on_ranks, 'tp', nprocs=RANKS):
+        assert n == 14  # parallelize converted every Linear before splitting it
         torch.testing.assert_close(torch.tensor(r_losses), torch.tensor(r.losses), rtol=1e-5, atol=1e-6)
         for k in sd: torch.testing.assert_close(r_sd[k], sd[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
-def test_loss_close_to_bf16():
+def test_loss_close_to_bf16(emulated):
     "FP8's rounding (3-4 bits of mantissa) moves the loss, but by little: within 2% of bf16-mixed after the steps"
     fp8, _ = one_process('fp8')
-    bf16, _ = one_process('bf16-mixed', convert=False)
+    bf16, _ = one_process('bf16-mixed')
     assert fp8 != bf16  # FP8 did change the numbers
     for a, b in zip(fp8, bf16): assert abs(a - b) <= 0.02 * abs(b), (fp8, bf16)
 

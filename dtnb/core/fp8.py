@@ -6,14 +6,14 @@ Docs: https://dtnb-dev.github.io/dtnb/core.fp8.html.md"""
 
 # %% ../../nbs/00g_core.fp8.ipynb #adbcf87d
 from __future__ import annotations
-import logging
+import logging, os
 import torch
 from torch import nn
 from .specs import capability_features
 from .dist import current_device
 
 # %% auto #0
-__all__ = ['FP8_INSTALL', 'fp8_refusal', 'fp8_error', 'check_fp8', 'float8_linears', 'float8_training']
+__all__ = ['FP8_INSTALL', 'fp8_refusal', 'fp8_error', 'check_fp8', 'fp8_emulated', 'float8_linears', 'float8_training']
 
 # %% ../../nbs/00g_core.fp8.ipynb #d4bfa6ee
 FP8_INSTALL = 'pip install "dtnb[fp8]"'  # torchao, the optional dependency precision='fp8' needs
@@ -30,12 +30,16 @@ def fp8_error(why:str) -> ValueError:
     "The error `precision='fp8'` on a device without FP8 tensor cores raises, `why` saying which device"
     return ValueError(f"precision='fp8' needs FP8 tensor cores, on a CUDA GPU of compute capability 8.9 or newer (L4, "
                       f"L40S, RTX 4090, H100, H200, B200), but {why}: train in 'bf16-mixed' (the same memory), or "
-                      "check FP8's numerics on any device with float8_training(model, emulate=True) (fp32 emulation, "
-                      "slower)")
+                      "check FP8's numerics on any device with float8_training(model, emulate=True), or with "
+                      "DTNB_FP8_EMULATE=1 for wrap/parallelize/fit (fp32 emulation, slower)")
 
 def check_fp8(device=None) -> None:
     "Refuse `precision='fp8'` on a device without FP8 tensor cores, saying why and what to do instead"
     if (why := fp8_refusal(device)) is not None: raise fp8_error(why)
+
+def fp8_emulated() -> bool:
+    "Whether `DTNB_FP8_EMULATE=1` asks `precision='fp8'` for torchao's emulation everywhere (as torchtitan's emulate)"
+    return os.environ.get('DTNB_FP8_EMULATE', '') == '1'
 
 # %% ../../nbs/00g_core.fp8.ipynb #f029c905
 def float8_linears(model) -> list[str]:
@@ -59,13 +63,14 @@ def _sixteens(mod, name=''): return mod.in_features % 16 == 0 and mod.out_featur
 
 # %% ../../nbs/00g_core.fp8.ipynb #746fa300
 def float8_training(model:nn.Module, device=None, # the device it trains on; default: this rank's
-                    emulate:bool=False,   # torchao's emulation: FP8 casts, fp32 matmuls, any device (tests)
+                    emulate:bool=False,   # torchao's emulation (or DTNB_FP8_EMULATE=1): fp32 matmuls, any device
                     module_filter_fn=None # (module, name) -> bool: which of the Linear layers to convert
                    ) -> nn.Module:
     "`model` with its `nn.Linear` layers (sizes multiples of 16) swapped for torchao's `Float8Linear`, in place"
     if done := float8_linears(model):
         if not all(model.get_submodule(n).config.emulate for n in done): check_fp8(device)
         return model
+    emulate = emulate or fp8_emulated()
     if not emulate: check_fp8(device)
     if isinstance(model, nn.Linear):
         raise ValueError("float8_training swaps the Linear layers inside a model, in place; a bare nn.Linear would be "

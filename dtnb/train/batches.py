@@ -14,7 +14,7 @@ from torch import nn
 from ..core.dist import world_size, current_device, all_gather_objects
 from ..core.utils import to_device, tree_map_tensors, tensors, autocast, cast_inputs, check_precision
 from ..core.batches import BatchLoss, forward_loss  # how a batch becomes a loss: one definition, in core
-from ..core.fp8 import float8_training, check_fp8
+from ..core.fp8 import float8_training, check_fp8, fp8_emulated, float8_linears
 
 # %% auto #0
 __all__ = ['cast_batch', 'count_samples', 'fit_precision', 'gradient_sync', 'micro_step', 'ShardNorm', 'grad_norm',
@@ -45,8 +45,13 @@ def fit_precision(model, precision) -> str:
         raise ValueError(f"precision='bf16-true' trains the model's own bf16 parameters, but it has "
                          f"{', '.join(sorted(map(str, dts)))} ones: call model.to(torch.bfloat16) before building "
                          "the optimizer, or use 'bf16-mixed' (autocast)")
-    if p == 'fp8':  # a pipeline was converted by parallelize before its split: only the device is left to check
-        float8_training(model) if isinstance(model, nn.Module) else check_fp8()
+    if p == 'fp8' and isinstance(model, nn.Module): float8_training(model)
+    elif p == 'fp8':  # a pipeline: parallelize(precision='fp8') converted it before its split; fit cannot after it
+        if not fp8_emulated(): check_fp8()
+        if not any(float8_linears(m) for m in getattr(model, 'modules', ())):
+            warnings.warn("fit(precision='fp8') got a pipeline whose stages on this rank hold no FP8 Linear layer, "
+                          "so it trains in bf16: build it with parallelize(model, Degrees(pp=...), precision='fp8'), "
+                          "which converts the Linear layers before the split", PerformanceWarning, stacklevel=3)
     return p
 
 # %% ../../nbs/05_train.batches.ipynb #d5fd7aef
