@@ -36,7 +36,7 @@ def count_syncs(fn, steps):
     return len(said) / steps, sorted(set(s.splitlines()[0][:160] for s in said))[:5]
 
 
-def run(device, steps, n_rounds, warmup=10):
+def run(device, steps, n_rounds, out:dict, warmup=10):
     (d_in, d, depth, d_out), b = SETUP[device]
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 as written: the step stays a few ms
@@ -56,7 +56,7 @@ def run(device, steps, n_rounds, warmup=10):
             loops[name](steps); synchronize(device)
             t[name] = steps / (time.perf_counter() - t0)
         rounds.append((t['fit'], t['plain']))
-    out = dict(model=dict(d_in=d_in, d=d, depth=depth, d_out=d_out, batch=b), steps=steps, rounds=n_rounds,
+    out.update(model=dict(d_in=d_in, d=d, depth=depth, d_out=d_out, batch=b), steps=steps, rounds=n_rounds,
                fit_steps_s=statistics.median(f for f, _ in rounds),
                plain_steps_s=statistics.median(p for _, p in rounds),
                ratio=statistics.median(f / p for f, p in rounds), each=[round(f / p, 3) for f, p in rounds])
@@ -78,7 +78,7 @@ def main(argv=None):
     if a.device == 'cpu': import os; os.environ['DTNB_DEVICE'] = 'cpu'; torch.set_num_threads(1)
     steps, n = a.steps or (40 if a.device == 'cuda' else 10), a.rounds or (7 if a.device == 'cuda' else 3)
     out = dict(device=a.device, torch=torch.__version__, goal=0.97)
-    try: out.update(run(a.device, steps, n)); failed = False
+    try: run(a.device, steps, n, out); failed = False  # fills `out` as it goes: a failure keeps what it measured
     except Exception as e: out.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()); failed = True
     keys = ('ratio', 'fit_steps_s', 'plain_steps_s', 'plain_step_ms', 'fit_syncs_per_step', 'plain_syncs_per_step',
             'syncs_per_step')

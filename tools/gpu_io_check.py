@@ -55,9 +55,12 @@ def checkpoints(device, root, repeats):
 
 def verdicts(device):
     "input_bound on a real step fed from a slow and a fast loader; the slow one must be input-bound, the fast one not"
-    gpu = device == 'cuda'  # a GPU step of a few ms (batch 256, 4 x 4096 wide); the loaders' workers keep up there
-    b, n, cost, workers = (256, 24, 0.25, 2) if gpu else (64, 24, 1.0, 0)  # slow: 64 ms of waiting a batch
-    model = dtnb.ToyModel(d_in=3 * 32 * 32, d=4096 if gpu else 256, depth=4, d_out=10).to(device)
+    # the fast loader's batch must come well inside a step on any machine, or its verdict would be the machine's: a GPU
+    # step of about 6 ms (batch 256, 4 blocks 8192 wide, fp32) against 4 workers' collate and pinning of 3 MB; on a CPU
+    # one of about 50 ms (64 samples, 512 wide) against collating 0.8 MB in-process. slow: 64 ms of waiting a batch
+    gpu = device == 'cuda'
+    b, n, cost, workers = (256, 24, 0.25, 4) if gpu else (64, 24, 1.0, 0)
+    model = dtnb.ToyModel(d_in=3 * 32 * 32, d=8192 if gpu else 512, depth=4, d_out=10).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     def step(batch):
         x, y = batch
